@@ -1,0 +1,43 @@
+# Two entry points, both safe to run twice on a fresh machine:
+#   make demo   the main job: a live failover demonstration
+#   make test   set-up plus the whole suite: lint, types, tests
+# Everything else here is a step of those two.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMPS := .stamps
+
+.PHONY: demo test lint typecheck pytest venv bench clean
+
+demo: $(STAMPS)/venv
+	$(VENV)/bin/hafailover demo
+
+test: $(STAMPS)/venv lint typecheck pytest
+
+venv: $(STAMPS)/venv
+
+# Re-installs only when pyproject.toml changes; the editable install keeps
+# src/ and reference_broker/ live.
+$(STAMPS)/venv: pyproject.toml
+	@mkdir -p $(STAMPS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+lint: $(STAMPS)/venv
+	$(VENV)/bin/ruff check src reference_broker tests benchmarks examples
+	$(VENV)/bin/ruff format --check src reference_broker tests benchmarks examples
+
+typecheck: $(STAMPS)/venv
+	$(VENV)/bin/mypy
+
+pytest: $(STAMPS)/venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMPS)/venv
+	$(PY) benchmarks/core.py
+
+clean:
+	rm -rf $(STAMPS) $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

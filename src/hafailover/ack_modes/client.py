@@ -1,0 +1,92 @@
+"""CLIENT_ACKNOWLEDGE and CLIENT_INDIVIDUAL_ACKNOWLEDGE (F8).
+
+The application acknowledges; in CLIENT mode one acknowledge() covers every
+message the session delivered so far, in CLIENT_INDIVIDUAL only the one.
+
+A session holding unacknowledged messages at a reconnect is *dirty*: those
+messages and everything prefetched are stale (the new broker session will
+redeliver them). The next acknowledge() then recovers the session implicitly
+and raises StaleAcknowledge; the recover is a full one (the broker redelivers)
+only if messages were delivered since the failover, else it merely marks the
+session clean. recover() after a failover always succeeds and cleans the session.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from hafailover.ack_modes.base import (
+    AckAction,
+    AckDecision,
+    AckRules,
+    Delivery,
+    FailoverOutcome,
+    RecoverDecision,
+)
+from hafailover.ack_modes.modes import AckMode
+from hafailover.errors import ErrorCode
+
+__all__ = ["ClientAckRules", "ClientIndividualAckRules"]
+
+
+class ClientAckRules(AckRules):
+    mode: ClassVar[AckMode] = AckMode.CLIENT
+
+    def __init__(self, session_id: int) -> None:
+        super().__init__(session_id)
+        # Tags delivered to the application and not yet acknowledged, in order.
+        self._unacked: dict[str, None] = {}
+        self.dirty = False
+
+    @property
+    def unacknowledged(self) -> tuple[str, ...]:
+        return tuple(self._unacked)
+
+    def delivered(self, tag: str) -> Delivery:
+        self._unacked[tag] = None
+        return super().delivered(tag)
+
+    def acknowledge(self, delivery: Delivery) -> AckDecision:
+        self.check_owner(delivery)
+        if self.dirty:
+            # F8: recover implicitly, then tell the application its acknowledge failed.
+            full = bool(self._unacked)
+            self._unacked.clear()
+            self.dirty = False
+            return AckDecision(AckAction.RAISE, code=ErrorCode.ACKNOWLEDGE_STALE, recover=full)
+        if self.is_stale(delivery):
+            # A clean session had nothing unacknowledged at the failover: this
+            # message was acknowledged before it, so there is nothing to do.
+            return AckDecision(AckAction.NOTHING)
+        return self._acknowledge(delivery)
+
+    def _acknowledge(self, delivery: Delivery) -> AckDecision:
+        if delivery.tag not in self._unacked:
+            return AckDecision(AckAction.NOTHING)
+        tags = tuple(self._unacked)
+        self._unacked.clear()
+        return AckDecision(AckAction.SEND, tags)
+
+    def recover(self) -> RecoverDecision:
+        tags = tuple(self._unacked)
+        self._unacked.clear()
+        self.dirty = False
+        return RecoverDecision(tags)
+
+    def _reconnected(self) -> FailoverOutcome:
+        stale = tuple(self._unacked)
+        self._unacked.clear()
+        # Dirtiness sticks until an acknowledge or recover deals with it, even
+        # across a second failover.
+        self.dirty = self.dirty or bool(stale)
+        return FailoverOutcome(stale=stale, dirty=self.dirty)
+
+
+class ClientIndividualAckRules(ClientAckRules):
+    mode: ClassVar[AckMode] = AckMode.CLIENT_INDIVIDUAL
+
+    def _acknowledge(self, delivery: Delivery) -> AckDecision:
+        if delivery.tag not in self._unacked:
+            return AckDecision(AckAction.NOTHING)
+        del self._unacked[delivery.tag]
+        return AckDecision(AckAction.SEND, (delivery.tag,))

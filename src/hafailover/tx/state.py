@@ -1,0 +1,179 @@
+"""Transaction state of one transacted session (F9, F3).
+
+Theory of operation
+-------------------
+A transacted session always has a current transaction. It is CLEAN until the
+application sends or receives in it, then DIRTY. commit() moves it to
+COMMITTING until the commit is written to the network, then COMMIT_SENT until
+the broker answers.
+
+A failover decides the fate of the transaction:
+
+========================  ==================================  =========================
+phase at failover         reattached, nothing lost            reconnected, or lost work
+========================  ==================================  =========================
+CLEAN                     CLEAN                               CLEAN
+DIRTY                     DIRTY (100% transparent)            ROLLBACK_ONLY
+ROLLBACK_ONLY             ROLLBACK_ONLY                       ROLLBACK_ONLY
+COMMITTING (not written)  ROLLBACK_ONLY, commit -> rolled back ROLLBACK_ONLY, rolled back
+COMMIT_SENT               commit received: outcome unknown    outcome unknown
+                          commit not received: rolled back
+========================  ==================================  =========================
+
+A rollback-only transaction is never committed: commit() rolls it back and
+raises TransactionRolledBack, so the application replays its work on the same
+session (Artemis, Qpid). rollback() always succeeds and cleans the session.
+Transacted sends are never replayed from the confirmation window: lost work
+means rollback, not repair.
+
+Whether the broker still holds the transaction (so a rollback must be sent to
+it) is tracked too: after a reconnect the new session has no trace of it and
+the rollback is local.
+
+Pure: no I/O, threads or clocks. Misuse (commit while a commit is running)
+raises IllegalStateError and leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from hafailover.errors import ErrorCode, IllegalStateError
+
+__all__ = ["CommitAction", "CommitDecision", "RollbackDecision", "TransactionState", "TxPhase"]
+
+
+class TxPhase(enum.Enum):
+    CLEAN = "clean"
+    DIRTY = "dirty"
+    COMMITTING = "committing"  # commit() called, not yet written to the network
+    COMMIT_SENT = "commit sent"  # written, waiting for the broker's answer
+    ROLLBACK_ONLY = "rollback-only"
+
+
+class CommitAction(enum.Enum):
+    SEND_COMMIT = "send commit"  # go ahead: write the commit and wait for the answer
+    ROLL_BACK_AND_RAISE = "roll back and raise"  # rollback-only: roll back, raise
+    RAISE = "raise"  # a commit caught by failover: just raise (nothing left to undo)
+
+
+@attrs.frozen
+class CommitDecision:
+    action: CommitAction
+    code: ErrorCode | None = None  # the error to raise, for the two raising actions
+    rollback_on_broker: bool = False  # the broker still holds the transaction
+
+
+@attrs.frozen
+class RollbackDecision:
+    rollback_on_broker: bool  # send a rollback; false: the broker has no trace of it
+
+
+class TransactionState:
+    """The transaction of one transacted session, across failovers."""
+
+    __slots__ = ("_broker_has_tx", "_commit_fate", "phase", "work_count")
+
+    def __init__(self) -> None:
+        self.phase = TxPhase.CLEAN
+        self.work_count = 0  # sends and receives in the current transaction
+        self._broker_has_tx = False
+        # Set when a failover caught a commit: what the waiting commit() must do.
+        self._commit_fate: CommitDecision | None = None
+
+    @property
+    def dirty(self) -> bool:
+        return self.phase is not TxPhase.CLEAN
+
+    @property
+    def rollback_only(self) -> bool:
+        return self.phase is TxPhase.ROLLBACK_ONLY
+
+    def work(self) -> None:
+        """A send or receive joined the transaction."""
+        if self.phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
+            raise IllegalStateError("the session is committing; wait for commit() to return")
+        if self.phase is TxPhase.CLEAN:
+            self.phase = TxPhase.DIRTY
+            self._broker_has_tx = True
+        self.work_count += 1
+
+    def begin_commit(self) -> CommitDecision:
+        """commit() was called."""
+        if self.phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
+            raise IllegalStateError("commit() is already running on this session")
+        if self.phase is TxPhase.ROLLBACK_ONLY:
+            on_broker = self._broker_has_tx
+            self._reset()
+            return CommitDecision(
+                CommitAction.ROLL_BACK_AND_RAISE,
+                ErrorCode.TRANSACTION_ROLLED_BACK,
+                rollback_on_broker=on_broker,
+            )
+        self.phase = TxPhase.COMMITTING
+        return CommitDecision(CommitAction.SEND_COMMIT)
+
+    def commit_written(self) -> None:
+        """The commit left for the network; from now on its outcome may be unknown."""
+        if self.phase is TxPhase.COMMITTING:
+            self.phase = TxPhase.COMMIT_SENT
+
+    def commit_finished(self) -> None:
+        """The broker answered the commit (success or rolled back): a new transaction starts."""
+        self._reset()
+
+    def commit_fate(self) -> CommitDecision | None:
+        """After a failover caught a commit: what the waiting commit() must do, once."""
+        fate, self._commit_fate = self._commit_fate, None
+        return fate
+
+    def rollback(self) -> RollbackDecision:
+        """rollback() was called: always succeeds, and the session is clean after it."""
+        if self.phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
+            raise IllegalStateError("commit() is running on this session; rollback must wait")
+        decision = RollbackDecision(rollback_on_broker=self._broker_has_tx)
+        self._reset()
+        return decision
+
+    def failover(
+        self, *, reattached: bool, lost_work: bool, commit_received: bool | None = None
+    ) -> bool:
+        """Apply a failover; return whether this transaction was doomed by it.
+
+        ``reattached``: the server still held the session. ``lost_work``: some
+        transacted command of this transaction never reached the server.
+        ``commit_received``: after a reattach, whether the server got the commit.
+        """
+        phase = self.phase
+        if phase is TxPhase.CLEAN:
+            self._broker_has_tx = reattached and self._broker_has_tx
+            return False
+        if phase is TxPhase.COMMIT_SENT and not (reattached and commit_received is False):
+            # The commit may have happened: only duplicate detection can make a retry safe.
+            self._commit_fate = CommitDecision(
+                CommitAction.RAISE, ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
+            )
+            self._reset()
+            return True
+        if phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
+            # The commit never reached a server: it is rolled back, on the broker too
+            # when the reattached session still holds the transaction.
+            self._commit_fate = CommitDecision(
+                CommitAction.ROLL_BACK_AND_RAISE,
+                ErrorCode.TRANSACTION_ROLLED_BACK,
+                rollback_on_broker=reattached,
+            )
+            self._reset()
+            return True
+        if phase is TxPhase.DIRTY and reattached and not lost_work:
+            return False
+        self.phase = TxPhase.ROLLBACK_ONLY
+        self._broker_has_tx = reattached and self._broker_has_tx
+        return True
+
+    def _reset(self) -> None:
+        self.phase = TxPhase.CLEAN
+        self.work_count = 0
+        self._broker_has_tx = False
