@@ -13,7 +13,7 @@ import re
 
 __all__ = ["format_duration", "format_size", "parse_duration", "parse_size"]
 
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 # Seconds per unit; milliseconds are divided rather than multiplied by 0.001 so
 # that "7ms" parses to exactly 7 / 1000, the value format_duration checks against.

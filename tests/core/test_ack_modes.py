@@ -1,0 +1,203 @@
+"""Acknowledge-mode rules (F6, F7, F8, F9, F14) after failover."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hafailover.ack_modes import (
+    AckAction,
+    AckMode,
+    ClientAckRules,
+    LinkReliability,
+    TransactedAckRules,
+    check_link_reliability,
+    rules_for,
+)
+from hafailover.errors import ConfigurationError, ErrorCode, IllegalStateError
+
+
+def test_f6_auto_acknowledges_each_message_after_delivery() -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    delivery = rules.delivered("m1")
+    decision = rules.after_delivery(delivery)
+    assert decision.action is AckAction.SEND and decision.tags == ("m1",)
+
+
+def test_f6_auto_reports_an_ack_caught_by_failover() -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    delivery = rules.delivered("m1")
+    outcome = rules.failover(reattached=False)
+    assert outcome.discard_prefetched and not outcome.dirty
+    decision = rules.after_delivery(delivery)
+    assert decision.action is AckAction.RAISE
+    assert decision.code is ErrorCode.ACKNOWLEDGE_FAILED
+
+
+def test_f7_dups_ok_drops_stale_acks_silently() -> None:
+    rules = rules_for(AckMode.DUPS_OK, 1)
+    delivery = rules.delivered("m1")
+    rules.failover(reattached=False)
+    assert rules.after_delivery(delivery).action is AckAction.DROP
+    fresh = rules.delivered("m2")
+    assert rules.after_delivery(fresh).action is AckAction.SEND
+
+
+@pytest.mark.parametrize("mode", list(AckMode))
+def test_reattach_changes_nothing(mode: AckMode) -> None:
+    rules = rules_for(mode, 1)
+    delivery = rules.delivered("m1")
+    outcome = rules.failover(reattached=True)
+    assert outcome.stale == () and not outcome.dirty and not outcome.discard_prefetched
+    assert not rules.is_stale(delivery)
+
+
+def test_f8_client_dirty_session_acknowledge_recovers_and_raises() -> None:
+    rules = rules_for(AckMode.CLIENT, 1)
+    old = [rules.delivered(f"m{i}") for i in range(3)]
+    outcome = rules.failover(reattached=False)
+    assert outcome.dirty and outcome.stale == ("m0", "m1", "m2") and outcome.discard_prefetched
+    # Nothing new delivered since failover: the recover only marks the session clean.
+    decision = rules.acknowledge(old[0])
+    assert decision.action is AckAction.RAISE
+    assert decision.code is ErrorCode.ACKNOWLEDGE_STALE
+    assert decision.recover is False
+    # Clean now: new deliveries acknowledge normally.
+    fresh = rules.delivered("n1")
+    assert rules.acknowledge(fresh).tags == ("n1",)
+
+
+def test_f8_client_full_recover_when_new_messages_were_delivered() -> None:
+    rules = rules_for(AckMode.CLIENT, 1)
+    rules.delivered("m0")
+    rules.failover(reattached=False)
+    fresh = rules.delivered("n1")
+    decision = rules.acknowledge(fresh)
+    assert decision.action is AckAction.RAISE and decision.recover is True
+
+
+def test_f8_recover_after_failover_succeeds_and_cleans() -> None:
+    rules = rules_for(AckMode.CLIENT, 1)
+    assert isinstance(rules, ClientAckRules)
+    rules.delivered("m0")
+    rules.failover(reattached=False)
+    rules.delivered("n1")
+    assert rules.recover().redeliver == ("n1",)
+    assert not rules.dirty
+    fresh = rules.delivered("n2")
+    assert rules.acknowledge(fresh).tags == ("n2",)
+
+
+def test_f8_clean_client_session_fails_over_silently() -> None:
+    rules = rules_for(AckMode.CLIENT, 1)
+    acked = rules.delivered("m0")
+    rules.acknowledge(acked)
+    outcome = rules.failover(reattached=False)
+    assert not outcome.dirty and outcome.stale == ()
+    assert rules.acknowledge(acked).action is AckAction.NOTHING
+
+
+def test_client_acknowledge_is_cumulative_and_individual_is_not() -> None:
+    client = rules_for(AckMode.CLIENT, 1)
+    deliveries = [client.delivered(f"m{i}") for i in range(3)]
+    assert client.acknowledge(deliveries[1]).tags == ("m0", "m1", "m2")
+    individual = rules_for(AckMode.CLIENT_INDIVIDUAL, 1)
+    deliveries = [individual.delivered(f"m{i}") for i in range(3)]
+    assert individual.acknowledge(deliveries[1]).tags == ("m1",)
+    assert individual.acknowledge(deliveries[1]).action is AckAction.NOTHING
+
+
+@pytest.mark.parametrize("mode", list(AckMode))
+def test_acknowledging_another_sessions_message_is_misuse(mode: AckMode) -> None:
+    mine, theirs = rules_for(mode, 1), rules_for(mode, 2)
+    with pytest.raises(IllegalStateError, match="belongs to session 2"):
+        mine.acknowledge(theirs.delivered("m1"))
+
+
+def test_f9_transacted_receive_dirties_and_failover_dooms() -> None:
+    rules = rules_for(AckMode.SESSION_TRANSACTED, 1)
+    assert isinstance(rules, TransactedAckRules)
+    rules.delivered("m1")
+    assert rules.transaction.dirty
+    outcome = rules.failover(reattached=False)
+    assert outcome.dirty and outcome.stale == ("m1",)
+    assert rules.transaction.rollback_only
+
+
+def test_f9_transacted_reattach_without_loss_is_transparent() -> None:
+    rules = rules_for(AckMode.SESSION_TRANSACTED, 1)
+    assert isinstance(rules, TransactedAckRules)
+    rules.delivered("m1")
+    outcome = rules.failover(reattached=True)
+    assert not outcome.dirty
+    assert rules.received_in_transaction() == ("m1",)
+
+
+@pytest.mark.parametrize(
+    ("mode", "reliability", "ok"),
+    [
+        (AckMode.NO_ACKNOWLEDGE, LinkReliability.AT_LEAST_ONCE, False),
+        (AckMode.NO_ACKNOWLEDGE, LinkReliability.EXACTLY_ONCE, False),
+        (AckMode.NO_ACKNOWLEDGE, LinkReliability.UNRELIABLE, True),
+        (AckMode.NO_ACKNOWLEDGE, LinkReliability.AT_MOST_ONCE, True),
+        (AckMode.CLIENT, LinkReliability.AT_MOST_ONCE, False),
+        (AckMode.SESSION_TRANSACTED, LinkReliability.UNRELIABLE, False),
+        (AckMode.AUTO, LinkReliability.AT_LEAST_ONCE, True),
+        (AckMode.CLIENT, None, True),
+    ],
+)
+def test_f14_link_reliability_must_agree_with_ack_mode(
+    mode: AckMode, reliability: LinkReliability | None, ok: bool
+) -> None:
+    if ok:
+        check_link_reliability(mode, reliability)
+    else:
+        with pytest.raises(ConfigurationError, match="contradicts acknowledge mode"):
+            check_link_reliability(mode, reliability)
+
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("deliver"), st.integers(0, 50)),
+        st.tuples(st.just("ack"), st.integers(0, 50)),
+        st.tuples(st.just("recover"), st.just(0)),
+        st.tuples(st.just("failover"), st.booleans()),
+    ),
+    max_size=30,
+)
+
+
+@given(st.sampled_from([AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL]), steps)
+def test_client_modes_never_send_a_stale_ack(mode: AckMode, ops: list[tuple[str, object]]) -> None:
+    """Whatever happens, an acknowledgement sent to the broker names only current deliveries."""
+    rules = rules_for(mode, 7)
+    assert isinstance(rules, ClientAckRules)
+    held = []
+    seen = 0
+    for name, arg in ops:
+        if name == "deliver":
+            seen += 1
+            held.append(rules.delivered(f"t{seen}"))
+        elif name == "ack" and held:
+            delivery = held[int(arg) % len(held)]
+            current = set(rules.unacknowledged)
+            was_dirty = rules.dirty
+            decision = rules.acknowledge(delivery)
+            if decision.action is AckAction.SEND:
+                assert not was_dirty
+                assert not rules.is_stale(delivery)
+                assert set(decision.tags) <= current
+            if was_dirty:
+                assert decision.action is AckAction.RAISE and not rules.dirty
+        elif name == "recover":
+            rules.recover()
+            assert not rules.dirty and rules.unacknowledged == ()
+        elif name == "failover":
+            before = rules.unacknowledged
+            outcome = rules.failover(reattached=bool(arg))
+            if arg:
+                assert rules.unacknowledged == before
+            else:
+                assert outcome.stale == before and rules.unacknowledged == ()
+                assert outcome.dirty == rules.dirty

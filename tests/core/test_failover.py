@@ -1,0 +1,233 @@
+"""The failover state machine: every state against every event (F1, F2, F3, F10, F12)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hafailover.errors import ErrorCode
+from hafailover.failover import (
+    Admission,
+    CancelReconnect,
+    CloseRequested,
+    CloseTransport,
+    Connected,
+    Event,
+    Exhausted,
+    FailoverMachine,
+    FailoverState,
+    FailoverStateError,
+    FailPendingCalls,
+    LearnTopology,
+    Lost,
+    NotifyListener,
+    ReattachSessions,
+    RecreateSessions,
+    StartReconnect,
+    TopologyAnnounced,
+    UnblockPendingCalls,
+    WakeBlockedCalls,
+)
+from hafailover.url import BrokerAddress
+
+S = FailoverState
+LIVE = BrokerAddress("stomp", "live", 61613)
+BACKUP = BrokerAddress("stomp", "backup", 61613)
+
+events = st.one_of(
+    st.builds(Connected, st.sampled_from([LIVE, BACKUP]), st.booleans()),
+    st.builds(Lost, st.text(max_size=5)),
+    st.builds(Exhausted, st.integers(0, 5), st.text(max_size=5)),
+    st.builds(TopologyAnnounced, st.just((("backup", 61613),))),
+    st.just(CloseRequested()),
+)
+
+
+def machine_in(state: FailoverState, *, reconnect: bool = True) -> FailoverMachine:
+    """Drive a fresh machine into ``state`` through legal events only."""
+    m = FailoverMachine(reconnect_enabled=True)
+    paths: dict[FailoverState, list[Event]] = {
+        S.CONNECTING: [],
+        S.CONNECTED: [Connected(LIVE)],
+        S.FAILING_OVER: [Connected(LIVE), Lost("gone")],
+        S.REATTACHED: [Connected(LIVE), Lost("gone"), Connected(LIVE, resumed=True)],
+        S.RECONNECTED: [Connected(LIVE), Lost("gone"), Connected(BACKUP)],
+        S.FAILED: [Connected(LIVE), Lost("gone"), Exhausted(3, "refused")],
+        S.CLOSED: [CloseRequested()],
+    }
+    for event in paths[state]:
+        m.handle(event)
+    assert m.state is state
+    m.reconnect_enabled = reconnect
+    return m
+
+
+def test_first_connection() -> None:
+    m = FailoverMachine(reconnect_enabled=True)
+    assert m.admit() == (Admission.WAIT, None)
+    assert m.handle(Connected(LIVE)) == [WakeBlockedCalls()]
+    assert m.state is S.CONNECTED and m.ever_connected and m.broker == LIVE
+    assert m.admit() == (Admission.PROCEED, None)
+
+
+def test_f12_initial_connection_failure_is_not_connected_and_not_told_to_listener() -> None:
+    m = FailoverMachine(reconnect_enabled=True)
+    effects = m.handle(Exhausted(1, "refused"))
+    assert effects == [FailPendingCalls(ErrorCode.NOT_CONNECTED), WakeBlockedCalls()]
+    assert not any(isinstance(e, NotifyListener) for e in effects)
+    assert m.admit() == (Admission.RAISE, ErrorCode.NOT_CONNECTED)
+
+
+def test_f1_calls_wait_while_failing_over() -> None:
+    m = machine_in(S.CONNECTED)
+    assert m.handle(Lost("socket closed")) == [StartReconnect()]
+    assert m.state is S.FAILING_OVER
+    assert m.admit() == (Admission.WAIT, None)
+    assert m.failovers_started == 1
+
+
+def test_f3_f10_reattach_keeps_waiting_calls_and_tells_listener() -> None:
+    m = machine_in(S.FAILING_OVER)
+    effects = m.handle(Connected(LIVE, resumed=True))
+    assert effects == [
+        ReattachSessions(),
+        WakeBlockedCalls(),
+        NotifyListener(ErrorCode.FAILOVER, reattached=True),
+    ]
+    assert m.state is S.REATTACHED and m.admit() == (Admission.PROCEED, None)
+
+
+def test_f3_f5_f10_reconnect_unblocks_waiting_calls_then_recreates() -> None:
+    m = machine_in(S.FAILING_OVER)
+    effects = m.handle(Connected(BACKUP))
+    assert effects == [
+        UnblockPendingCalls(ErrorCode.UNBLOCKED),
+        RecreateSessions(),
+        WakeBlockedCalls(),
+        NotifyListener(ErrorCode.FAILOVER, reattached=False),
+    ]
+    assert m.state is S.RECONNECTED and m.broker == BACKUP and m.failovers_completed == 1
+
+
+def test_f2_exhausted_disconnects_everyone() -> None:
+    m = machine_in(S.FAILING_OVER)
+    effects = m.handle(Exhausted(5, "refused"))
+    assert effects == [
+        FailPendingCalls(ErrorCode.DISCONNECT),
+        WakeBlockedCalls(),
+        NotifyListener(ErrorCode.DISCONNECT, reason="refused"),
+    ]
+    assert m.admit() == (Admission.RAISE, ErrorCode.DISCONNECT)
+
+
+def test_f2_f10_loss_without_reconnect_is_final_and_told_once() -> None:
+    m = machine_in(S.CONNECTED, reconnect=False)
+    effects = m.handle(Lost("reset"))
+    assert m.state is S.FAILED
+    assert [e for e in effects if isinstance(e, NotifyListener)] == [
+        NotifyListener(ErrorCode.DISCONNECT, reason="reset")
+    ]
+
+
+@pytest.mark.parametrize("state", [S.CONNECTING, S.FAILING_OVER])
+def test_f2_close_releases_all_waiters_and_stops_reconnecting(state: FailoverState) -> None:
+    m = machine_in(state)
+    effects = m.handle(CloseRequested())
+    assert effects == [CancelReconnect(), FailPendingCalls(ErrorCode.CLOSED), WakeBlockedCalls()]
+    assert m.admit() == (Admission.RAISE, ErrorCode.CLOSED)
+
+
+@pytest.mark.parametrize("state", [S.CONNECTED, S.REATTACHED, S.RECONNECTED])
+def test_close_while_up(state: FailoverState) -> None:
+    m = machine_in(state)
+    assert m.handle(CloseRequested()) == [
+        CloseTransport(),
+        FailPendingCalls(ErrorCode.CLOSED),
+        WakeBlockedCalls(),
+    ]
+
+
+@pytest.mark.parametrize("state", [S.REATTACHED, S.RECONNECTED])
+def test_a_second_failure_starts_a_new_failover(state: FailoverState) -> None:
+    m = machine_in(state)
+    assert m.handle(Lost("again")) == [StartReconnect()]
+    assert m.failovers_started == 2
+
+
+def test_late_connection_after_close_is_closed() -> None:
+    for state in (S.CLOSED, S.FAILED):
+        assert machine_in(state).handle(Connected(LIVE)) == [CloseTransport()]
+
+
+@pytest.mark.parametrize("state", list(FailoverState))
+def test_topology_is_learned_or_ignored_but_never_an_error(state: FailoverState) -> None:
+    m = machine_in(state)
+    effects = m.handle(TopologyAnnounced((("b", 1),)))
+    assert m.state is state
+    expected = [] if state in (S.FAILED, S.CLOSED) else [LearnTopology((("b", 1),))]
+    assert effects == expected
+
+
+ILLEGAL = [
+    (S.CONNECTED, Connected(LIVE)),
+    (S.REATTACHED, Connected(LIVE)),
+    (S.RECONNECTED, Connected(BACKUP, resumed=True)),
+    (S.CONNECTED, Exhausted(1, "x")),
+    (S.REATTACHED, Exhausted(1, "x")),
+    (S.RECONNECTED, Exhausted(1, "x")),
+]
+
+
+@pytest.mark.parametrize(("state", "event"), ILLEGAL)
+def test_illegal_events_are_sticky_errors(state: FailoverState, event: Event) -> None:
+    m = machine_in(state)
+    with pytest.raises(FailoverStateError, match="not valid"):
+        m.handle(event)
+    assert m.state is S.FAILED
+    assert m.admit()[0] is Admission.RAISE
+
+
+@given(
+    st.sampled_from(list(FailoverState)),
+    st.booleans(),
+    st.lists(events, max_size=12),
+)
+def test_every_state_and_input_is_legal_or_a_clean_error(
+    state: FailoverState, reconnect: bool, inputs: list[Event]
+) -> None:
+    m = machine_in(state, reconnect=reconnect)
+    listener_calls = 0
+    losses = 0
+    for event in inputs:
+        before = m.state
+        try:
+            effects = m.handle(event)
+        except FailoverStateError:
+            assert (before, type(event)) in {(s, type(e)) for s, e in ILLEGAL}
+            assert m.state is S.FAILED
+            continue
+        listener_calls += sum(isinstance(e, NotifyListener) for e in effects)
+        if isinstance(event, Lost) and m.state in (S.FAILING_OVER, S.FAILED) and before in (
+            S.CONNECTED,
+            S.REATTACHED,
+            S.RECONNECTED,
+        ):
+            losses += 1
+        # Effects are ordered: waiters are released before the listener hears.
+        kinds = [type(e) for e in effects]
+        if NotifyListener in kinds and WakeBlockedCalls in kinds:
+            assert kinds.index(WakeBlockedCalls) < kinds.index(NotifyListener)
+        # admit() agrees with the state.
+        admission, code = m.admit()
+        if m.state in (S.CONNECTED, S.REATTACHED, S.RECONNECTED):
+            assert admission is Admission.PROCEED
+        elif m.state in (S.CONNECTING, S.FAILING_OVER):
+            assert admission is Admission.WAIT
+        else:
+            assert admission is Admission.RAISE and code is not None
+        # Terminal states stay terminal.
+        if before in (S.FAILED, S.CLOSED):
+            assert m.state in (S.FAILED, S.CLOSED)
+    # F10: the listener never hears more than once per lost connection.
+    assert listener_calls <= losses + (1 if state is S.FAILING_OVER else 0)

@@ -1,0 +1,179 @@
+"""Transaction state (F9, F3): dirty sessions, rollback-only, commits caught by failover."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hafailover.errors import ErrorCode, IllegalStateError
+from hafailover.tx import CommitAction, TransactionState, TxPhase
+
+
+def dirty() -> TransactionState:
+    tx = TransactionState()
+    tx.work()
+    return tx
+
+
+def test_commit_of_a_healthy_transaction() -> None:
+    tx = dirty()
+    assert tx.begin_commit().action is CommitAction.SEND_COMMIT
+    tx.commit_written()
+    assert tx.phase is TxPhase.COMMIT_SENT
+    tx.commit_finished()
+    assert tx.phase is TxPhase.CLEAN and tx.work_count == 0
+
+
+def test_f9_dirty_transaction_becomes_rollback_only_after_reconnect() -> None:
+    tx = dirty()
+    assert tx.failover(reattached=False, lost_work=False) is True
+    assert tx.rollback_only
+    decision = tx.begin_commit()
+    assert decision.action is CommitAction.ROLL_BACK_AND_RAISE
+    assert decision.code is ErrorCode.TRANSACTION_ROLLED_BACK
+    # The new session has no trace of it: the rollback is local.
+    assert decision.rollback_on_broker is False
+    # The application replays on the same session.
+    assert tx.phase is TxPhase.CLEAN
+    tx.work()
+    assert tx.begin_commit().action is CommitAction.SEND_COMMIT
+
+
+def test_f9_rollback_after_failover_succeeds_and_cleans() -> None:
+    tx = dirty()
+    tx.failover(reattached=False, lost_work=False)
+    assert tx.rollback().rollback_on_broker is False
+    assert tx.phase is TxPhase.CLEAN
+
+
+def test_reattach_without_lost_work_is_transparent() -> None:
+    tx = dirty()
+    assert tx.failover(reattached=True, lost_work=False) is False
+    assert tx.phase is TxPhase.DIRTY
+    assert tx.begin_commit().action is CommitAction.SEND_COMMIT
+
+
+def test_reattach_with_lost_work_rolls_back_on_the_broker() -> None:
+    tx = dirty()
+    assert tx.failover(reattached=True, lost_work=True) is True
+    decision = tx.begin_commit()
+    assert decision.action is CommitAction.ROLL_BACK_AND_RAISE
+    assert decision.rollback_on_broker is True
+
+
+def test_clean_transaction_is_untouched() -> None:
+    tx = TransactionState()
+    assert tx.failover(reattached=False, lost_work=False) is False
+    assert tx.phase is TxPhase.CLEAN
+
+
+def test_f3_commit_in_flight_on_reconnect_is_outcome_unknown() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    tx.commit_written()
+    tx.failover(reattached=False, lost_work=False)
+    fate = tx.commit_fate()
+    assert fate is not None
+    assert fate.action is CommitAction.RAISE
+    assert fate.code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
+    assert tx.commit_fate() is None  # told once
+    assert tx.phase is TxPhase.CLEAN
+
+
+def test_f3_commit_not_yet_written_is_rolled_back() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    tx.failover(reattached=False, lost_work=False)
+    fate = tx.commit_fate()
+    assert fate is not None and fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+    assert fate.rollback_on_broker is False
+
+
+def test_f3_commit_the_reattached_server_never_received_is_rolled_back_there() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    tx.commit_written()
+    tx.failover(reattached=True, lost_work=False, commit_received=False)
+    fate = tx.commit_fate()
+    assert fate is not None
+    assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK and fate.rollback_on_broker
+
+
+def test_f3_commit_the_reattached_server_received_is_outcome_unknown() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    tx.commit_written()
+    tx.failover(reattached=True, lost_work=False, commit_received=True)
+    fate = tx.commit_fate()
+    assert fate is not None and fate.code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
+
+
+def test_misuse_while_committing_is_an_illegal_state_and_changes_nothing() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    for call in (tx.work, tx.begin_commit, tx.rollback):
+        with pytest.raises(IllegalStateError):
+            call()
+        assert tx.phase is TxPhase.COMMITTING
+
+
+operations = st.lists(
+    st.one_of(
+        st.just(("work",)),
+        st.just(("begin_commit",)),
+        st.just(("commit_written",)),
+        st.just(("commit_finished",)),
+        st.just(("rollback",)),
+        st.tuples(
+            st.just("failover"), st.booleans(), st.booleans(), st.sampled_from([None, True, False])
+        ),
+    ),
+    max_size=25,
+)
+
+
+@given(operations)
+def test_every_phase_and_input(ops: list[tuple[object, ...]]) -> None:
+    tx = TransactionState()
+    doomed = False  # a failover doomed the current work since the last commit/rollback
+    for op in ops:
+        phase = tx.phase
+        name = op[0]
+        try:
+            if name == "work":
+                tx.work()
+            elif name == "begin_commit":
+                decision = tx.begin_commit()
+                # A doomed transaction is never committed.
+                if doomed:
+                    assert decision.action is CommitAction.ROLL_BACK_AND_RAISE
+                    doomed = False
+                else:
+                    assert decision.action is CommitAction.SEND_COMMIT
+            elif name == "commit_written":
+                tx.commit_written()
+            elif name == "commit_finished":
+                tx.commit_finished()
+                doomed = False
+            elif name == "rollback":
+                tx.rollback()
+                doomed = False
+            else:
+                _, reattached, lost, received = op
+                was_dirty = tx.phase is TxPhase.DIRTY
+                result = tx.failover(
+                    reattached=bool(reattached), lost_work=bool(lost), commit_received=received
+                )  # type: ignore[arg-type]
+                if phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
+                    assert result and tx.commit_fate() is not None and tx.phase is TxPhase.CLEAN
+                elif was_dirty and (not reattached or lost):
+                    assert result and tx.rollback_only
+                    doomed = True
+                elif phase is TxPhase.ROLLBACK_ONLY:
+                    assert tx.rollback_only
+        except IllegalStateError:
+            # Misuse leaves the state as it was.
+            assert tx.phase is phase
+            assert phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT)
+        assert tx.dirty == (tx.phase is not TxPhase.CLEAN)
