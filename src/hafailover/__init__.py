@@ -1,1 +1,67 @@
-"""hafailover: client-side failover for STOMP and AMQP 1.0 messaging."""
+"""hafailover: client-side failover for STOMP and AMQP 1.0 messaging.
+
+The public surface is what ``__all__`` names; every module behind it may change.
+"""
+
+from hafailover.ack_modes import AckMode, LinkReliability
+from hafailover.errors import (
+    AcknowledgeFailedError,
+    BrowserInvalidatedError,
+    CallTimeoutError,
+    ConfigurationError,
+    ConnectionClosedError,
+    DisconnectedError,
+    ErrorCode,
+    FailoverNotice,
+    HaFailoverError,
+    IllegalStateError,
+    InvalidURLError,
+    LocalError,
+    MessageTooLargeError,
+    NotConnectedError,
+    ProtocolError,
+    RemoteError,
+    SecurityError,
+    StaleAcknowledgeError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
+    UnblockedError,
+)
+from hafailover.report import FailoverReport, SessionFailover
+from hafailover.url import BrokerAddress, FailoverMethod, FailoverPolicy, Protocol, parse_url
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AckMode",
+    "AcknowledgeFailedError",
+    "BrokerAddress",
+    "BrowserInvalidatedError",
+    "CallTimeoutError",
+    "ConfigurationError",
+    "ConnectionClosedError",
+    "DisconnectedError",
+    "ErrorCode",
+    "FailoverMethod",
+    "FailoverNotice",
+    "FailoverPolicy",
+    "FailoverReport",
+    "HaFailoverError",
+    "IllegalStateError",
+    "InvalidURLError",
+    "LinkReliability",
+    "LocalError",
+    "MessageTooLargeError",
+    "NotConnectedError",
+    "Protocol",
+    "ProtocolError",
+    "RemoteError",
+    "SecurityError",
+    "SessionFailover",
+    "StaleAcknowledgeError",
+    "TransactionOutcomeUnknownError",
+    "TransactionRolledBackError",
+    "UnblockedError",
+    "__version__",
+    "parse_url",
+]

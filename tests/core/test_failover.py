@@ -208,10 +208,15 @@ def test_every_state_and_input_is_legal_or_a_clean_error(
             assert m.state is S.FAILED
             continue
         listener_calls += sum(isinstance(e, NotifyListener) for e in effects)
-        if isinstance(event, Lost) and m.state in (S.FAILING_OVER, S.FAILED) and before in (
-            S.CONNECTED,
-            S.REATTACHED,
-            S.RECONNECTED,
+        if (
+            isinstance(event, Lost)
+            and m.state in (S.FAILING_OVER, S.FAILED)
+            and before
+            in (
+                S.CONNECTED,
+                S.REATTACHED,
+                S.RECONNECTED,
+            )
         ):
             losses += 1
         # Effects are ordered: waiters are released before the listener hears.

@@ -163,7 +163,9 @@ def test_errors_a_retry_cannot_fix_propagate_at_once() -> None:
     for error in (SecurityError("bad password"), ConfigurationError("bad")):
         calls: list[int] = []
 
-        def refuse(broker: BrokerAddress, attempt: int, error: Exception = error) -> None:
+        def refuse(
+            broker: BrokerAddress, attempt: int, error: Exception = error, calls: list[int] = calls
+        ) -> None:
             calls.append(attempt)
             raise error
 
