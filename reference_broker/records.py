@@ -586,12 +586,97 @@ _DECODERS: Final[dict[int, Callable[[_Reader], Record]]] = {
 }
 
 
+_U16_AT: Final = _U16.unpack_from
+_U32_AT: Final = _U32.unpack_from
+_HEAD_AT: Final = _MESSAGE_HEAD.unpack_from
+
+
+def _fast_message_add(payload: bytes) -> Record | None:
+    """MESSAGE_ADD without the bounds-checked reader: recovery decodes one per message.
+
+    It accepts only what the validating decoder accepts, and returns None for anything
+    unusual (short reads, unknown flags, surplus bytes, bad UTF-8, a repeated header),
+    which then goes through the validating decoder for its exact error. A record it does
+    return is equal to the one that decoder would build.
+    """
+    try:
+        end = len(payload)
+        (count,) = _U16_AT(payload, 0)
+        pos = 2
+        queues = []
+        for _ in range(count):
+            (n,) = _U16_AT(payload, pos)
+            pos += 2
+            if pos + n > end:
+                return None
+            queues.append(payload[pos : pos + n].decode("utf-8", "surrogatepass"))
+            pos += n
+        message_id, flags, priority, expiration, n_headers = _HEAD_AT(payload, pos)
+        pos += _MESSAGE_HEAD.size
+        if flags & ~_KNOWN_FLAGS or priority > 9 or expiration != expiration:
+            return None
+        has_expiration = flags & _FLAG_EXPIRES
+        if not has_expiration and expiration != 0.0:
+            return None
+        (n,) = _U16_AT(payload, pos)
+        pos += 2
+        if pos + n > end:
+            return None
+        address = payload[pos : pos + n].decode("utf-8", "surrogatepass")
+        pos += n
+        duplicate_id = None
+        if flags & _FLAG_DUPLICATE_ID:
+            (n,) = _U16_AT(payload, pos)
+            pos += 2
+            if pos + n > end:
+                return None
+            duplicate_id = payload[pos : pos + n].decode("utf-8", "surrogatepass")
+            pos += n
+        headers: dict[str, str] = {}
+        for _ in range(n_headers):
+            (n,) = _U32_AT(payload, pos)
+            pos += 4
+            if pos + n > end:
+                return None
+            key = payload[pos : pos + n].decode("utf-8", "surrogatepass")
+            pos += n
+            (n,) = _U32_AT(payload, pos)
+            pos += 4
+            if pos + n > end:
+                return None
+            headers[key] = payload[pos : pos + n].decode("utf-8", "surrogatepass")
+            pos += n
+        if len(headers) != n_headers:
+            return None
+        (n,) = _U32_AT(payload, pos)
+        pos += 4
+        if pos + n != end:
+            return None
+        body = payload[pos:end]
+    except (struct.error, UnicodeDecodeError):
+        return None
+    message = Message(
+        message_id,
+        address,
+        body,
+        headers,
+        bool(flags & _FLAG_PERSISTENT),
+        priority,
+        expiration if has_expiration else None,
+    )
+    return MessageAdd(tuple(queues), message, duplicate_id)
+
+
 def decode(record_type: int, payload: bytes | bytearray | memoryview) -> Record:
     """Turn one journal entry back into its record.
 
     Raises RecordError (a ValueError) for an unknown type byte or a payload that is not
     exactly one valid record of that type, and for nothing else.
     """
+    if record_type == RecordType.MESSAGE_ADD and type(payload) is bytes:
+        fast = _fast_message_add(payload)
+        if fast is not None:
+            return fast
     if not isinstance(record_type, int):
         raise RecordError(f"record type must be an int, not {type(record_type).__name__}")
     decoder = _DECODERS.get(record_type)

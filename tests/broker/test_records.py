@@ -220,3 +220,28 @@ def test_unencodable_values_raise_record_error(record: Record) -> None:
 def test_record_types_use_the_engine_range() -> None:
     assert all(0x20 <= t <= 0x3F for t in ENGINE_RECORD_TYPES)
     assert len(ENGINE_RECORD_TYPES) == len(RecordType)
+
+
+def _slow_decode(record_type: int, payload: bytes) -> Record:
+    """The validating decoder alone, bypassing decode()'s MESSAGE_ADD fast path."""
+    return decode(record_type, memoryview(payload))
+
+
+@given(st.builds(MessageAdd, queue_lists, messages, duplicate_ids), st.data())
+def test_the_message_add_fast_path_agrees_with_the_validating_decoder(
+    record: MessageAdd, data: st.DataObject
+) -> None:
+    record_type, payload = record.encode()
+    assert decode(record_type, payload) == _slow_decode(record_type, payload) == record
+    # Corrupted payloads: the fast path never accepts what the validating decoder refuses,
+    # and never decodes to something different.
+    corrupt = bytearray(payload)
+    index = data.draw(st.integers(min_value=0, max_value=len(payload) - 1))
+    corrupt[index] ^= data.draw(st.integers(min_value=1, max_value=255))
+    try:
+        slow = _slow_decode(record_type, bytes(corrupt))
+    except RecordError:
+        with pytest.raises(RecordError):
+            decode(record_type, bytes(corrupt))
+    else:
+        assert decode(record_type, bytes(corrupt)) == slow
