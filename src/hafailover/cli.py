@@ -1,14 +1,19 @@
 """The `hafailover` command line.
 
-Commands: ``demo`` (the walk-through run by `make demo`) and ``url`` (check a
-connection URL and print it normalized). Exit status 2 means bad input, with a
-message naming what was wrong.
+Commands: ``demo`` (the walk-through run by `make demo`), ``url`` (check a
+connection URL and print it normalized), and ``pair`` / ``broker``, which run the
+bundled reference broker (``pair up``, ``broker run``, ``broker user add``). Exit
+status 2 means bad input, with a message naming what was wrong.
+
+hafailover never imports the reference broker: ``pair`` and ``broker`` hand the
+process over to ``python -m reference_broker``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -51,10 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
     url.add_argument("url")
     url.add_argument("--json", action="store_true", help="print a JSON summary")
     url.set_defaults(run=_cmd_url)
+    commands.add_parser("pair", help="run the bundled broker pair: pair up [--json]")
+    commands.add_parser("broker", help="run one broker node: broker run ...; broker user add ...")
     return parser
 
 
+def _run_reference_broker(argv: Sequence[str]) -> int:
+    """Replace this process with ``python -m reference_broker ARGS``."""
+    os.execv(sys.executable, [sys.executable, "-m", "reference_broker", *argv])  # noqa: S606
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pair"]:
+        return _run_reference_broker(argv)
+    if argv[:1] == ["broker"]:
+        return _run_reference_broker(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))

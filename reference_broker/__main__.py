@@ -1,0 +1,106 @@
+"""`python -m reference_broker`: run a node, run a pair, manage users.
+
+    python -m reference_broker run --node-id live --role live ...   one node (see node.py)
+    python -m reference_broker pair up [--data-dir DIR] [--json]   a live and a backup
+    python -m reference_broker user add --users FILE NAME          add or change a user
+
+`hafailover broker ...` and `hafailover pair ...` run these same commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from reference_broker import node
+from reference_broker.pair import BrokerPair
+from reference_broker.users import UsersFile, UsersFileError
+
+
+def _pair_up(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hafailover pair up", description="Run a broker pair.")
+    parser.add_argument("--data-dir", type=Path, help="where the nodes keep their data")
+    parser.add_argument("--user", default="admin")
+    parser.add_argument("--password", default=os.environ.get("HAFAILOVER_PASSWORD", "admin"))
+    parser.add_argument("--ports", help="six ports: live stomp,amqp,replication,backup ...")
+    parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    parser.add_argument("--json", action="store_true", help="print the addresses as JSON")
+    args = parser.parse_args(argv)
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="hafailover-pair-"))
+    ports = None
+    if args.ports:
+        values = [int(p) for p in args.ports.split(",")]
+        if len(values) != 6:
+            parser.error("--ports takes six comma-separated ports")
+        ports = (values[0], values[1], values[2], values[3], values[4], values[5])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with BrokerPair(
+        data_dir,
+        user=args.user,
+        password=args.password,
+        ports=ports,
+        heartbeat_timeout=args.heartbeat_timeout,
+    ) as pair:
+        description = pair.describe()
+        if args.json:
+            print(json.dumps(description), flush=True)
+        else:
+            for entry in description["nodes"]:
+                print(
+                    f"{entry['name']:7} {entry['role']:7} pid {entry['pid']:<7} "
+                    f"stomp {entry['stomp']}  amqp {entry['amqp']}"
+                )
+            print(f"STOMP failover URL: {pair.stomp_url}")
+            print(f"AMQP failover URL:  {pair.amqp_url}")
+            print(f"data and logs in {data_dir}; Ctrl-C stops both nodes", flush=True)
+        stop.wait()
+    if not args.json:
+        print("pair stopped")
+    return 0
+
+
+def _user_add(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hafailover broker user add")
+    parser.add_argument("--users", type=Path, required=True)
+    parser.add_argument("name")
+    parser.add_argument("--password", help="default: prompt (or HAFAILOVER_PASSWORD)")
+    args = parser.parse_args(argv)
+    password = args.password or os.environ.get("HAFAILOVER_PASSWORD") or getpass.getpass()
+    try:
+        users = UsersFile.load(args.users) if args.users.exists() else UsersFile()
+        users.add(args.name, password)
+    except UsersFileError as exc:
+        print(f"hafailover: {exc}", file=sys.stderr)
+        return 2
+    users.save(args.users)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: python -m reference_broker {run ...|pair up ...|user add ...}"
+    if not argv:
+        print(usage, file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        return node.main(rest)
+    if command == "pair" and rest[:1] == ["up"]:
+        return _pair_up(rest[1:])
+    if command == "user" and rest[:1] == ["add"]:
+        return _user_add(rest[1:])
+    print(usage, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

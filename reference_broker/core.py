@@ -1,0 +1,174 @@
+"""The serving core of an active node, shared by the STOMP and AMQP servers.
+
+It owns what both protocols need from one running node: the engine, the store, the users,
+the routing of the engine's deliveries to the connection that owns each consumer, the
+sessions held for reattach (F4) and the topology announced to clients (F12). Everything
+here runs on the node's one asyncio event loop, so nothing is locked: a protocol handler
+calls the engine, then ``kick()``; at the end of the loop turn the core dispatches what
+the engine has for consumers and hands new records to the store in one group commit.
+
+Clocks: the engine's ``now`` is wall-clock time (``time.time()``), because message
+expiration is an absolute time that clients set (STOMP ``expires``, AMQP
+absolute-expiry-time). Held sessions expire by the monotonic clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import attrs
+
+from reference_broker.engine import Delivery, Engine
+from reference_broker.store import Store
+from reference_broker.users import UsersFile
+
+__all__ = ["BrokerCore", "DeliveryTarget", "HeldSession", "ServeConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class DeliveryTarget(Protocol):
+    """A connection that writes deliveries for the consumers it opened."""
+
+    def deliver(self, delivery: Delivery) -> None: ...
+
+
+class HeldSession(Protocol):
+    """A session whose connection dropped, kept for a reattach until its TTL passes."""
+
+    def expire(self) -> None:
+        """The TTL passed: end the session for good."""
+
+
+@attrs.frozen
+class ServeConfig:
+    node_id: str = "live"
+    # Client addresses announced to clients, this node first: {"stomp": ("h:p", ...), ...}.
+    topology: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    # Heart-beat the server offers and wants, in seconds (STOMP heart-beat, AMQP idle-timeout).
+    heartbeat: float = 1.0
+    # Longest a dropped session is held for reattach, whatever the client asks.
+    max_connection_ttl: float = 300.0
+    allow_anonymous: bool = False
+    max_body_size: int = 64 * 1024 * 1024
+    # Unsettled deliveries a client-acknowledge consumer may hold unless it asks otherwise.
+    default_prefetch: int = 1000
+
+
+class BrokerCore:
+    """One active node's engine, store, users and connections."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: Store,
+        users: UsersFile,
+        config: ServeConfig,
+        *,
+        may_serve: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.users = users
+        self.config = config
+        self.may_serve = may_serve
+        self._targets: dict[int, DeliveryTarget] = {}
+        self._held: dict[str, tuple[float, HeldSession]] = {}
+        self._kicked = False
+        self._ticker: asyncio.Task[None] | None = None
+        self._next_session = 0
+
+    # --- the loop turn ---------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Something changed in the engine: dispatch and persist at the end of this turn."""
+        if not self._kicked:
+            self._kicked = True
+            asyncio.get_running_loop().call_soon(self._turn)
+
+    def _turn(self) -> None:
+        self._kicked = False
+        self.dispatch()
+        records = self.engine.drain_records()
+        if records:
+            self.store.persist([r.encode() for r in records])
+
+    def dispatch(self) -> None:
+        targets = self._targets
+        for delivery in self.engine.poll(time.time()):
+            target = targets.get(delivery.consumer_id)
+            if target is not None:
+                target.deliver(delivery)
+            else:  # pragma: no cover - a consumer is registered before it can receive
+                log.error("delivery for unknown consumer %d dropped", delivery.consumer_id)
+
+    def durable(self) -> asyncio.Future[None]:
+        """A future that resolves when everything the engine did so far is durable."""
+        records = self.engine.drain_records()
+        return self.store.persist([r.encode() for r in records])
+
+    # --- consumers -------------------------------------------------------------------------
+
+    def add_target(self, consumer_id: int, target: DeliveryTarget) -> None:
+        self._targets[consumer_id] = target
+
+    def remove_target(self, consumer_id: int) -> None:
+        self._targets.pop(consumer_id, None)
+
+    # --- security --------------------------------------------------------------------------
+
+    def authenticate(self, user: str | None, password: str | None, peer: str) -> bool:
+        if user is None and password is None and self.config.allow_anonymous:
+            return True
+        if self.users.verify(user, password):
+            return True
+        log.warning("authentication failed for user %r from %s", user, peer)
+        return False
+
+    # --- sessions held for reattach --------------------------------------------------------
+
+    def new_session_id(self) -> str:
+        self._next_session += 1
+        return f"{self.config.node_id}-{time.time_ns():x}-{self._next_session}"
+
+    def hold_session(self, session_id: str, session: HeldSession, ttl: float) -> None:
+        ttl = min(ttl, self.config.max_connection_ttl)
+        self._held[session_id] = (time.monotonic() + ttl, session)
+        self._ensure_ticker()
+
+    def claim_session(self, session_id: str) -> HeldSession | None:
+        held = self._held.pop(session_id, None)
+        return None if held is None else held[1]
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.tick()
+
+    def tick(self) -> None:
+        """Expire held sessions, held temporary queues and expired messages."""
+        now = time.monotonic()
+        for session_id, (deadline, session) in list(self._held.items()):
+            if deadline <= now:
+                del self._held[session_id]
+                session.expire()
+        wall = time.time()
+        self.engine.tick(wall)
+        if self.engine.expire(wall):
+            self.kick()
+        self.kick()
+
+    def start(self) -> None:
+        self._ensure_ticker()
+
+    def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()

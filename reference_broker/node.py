@@ -1,0 +1,637 @@
+"""One broker node: a process that is live or backup, and changes role safely.
+
+Theory of operation
+-------------------
+A node runs one asyncio loop and is in one of two roles at a time:
+
+- LIVE: it holds the witness lease (reference_broker.witness), serves STOMP and AMQP
+  clients, writes the journal and streams it to the backup. Before any effect it checks
+  its lease; when the lease may no longer be served (a pause past it) or a renewal is
+  FENCED, it stops serving at once: listeners and client connections are closed, nothing
+  more is confirmed, and it turns backup.
+- BACKUP: it connects to the other node's replication port, copies its journal into a fresh
+  one (initial synchronization) and follows it. Only a synchronized backup may take over,
+  and only through the witness: after it lost the live past the heartbeat timeout, it
+  activates when the live's lease has run out (or the live's process has provably exited).
+
+Which node may serve after a restart is decided by the activation sequence: a node records
+in its data directory the activation it last served under. At start it activates on its
+own only when the witness is new, or names this node as the last holder with that very
+activation; any other node joins as backup, so stale data is never served.
+
+Failback: a node started with ``--role live`` and ``--allow-failback`` that finds the other
+node active joins as backup, and once synchronized asks it to hand the role back.
+
+The node writes ``status.json`` in its data directory at every role change so that
+harnesses (``BrokerPair``) and ``hafailover pair up`` can wait for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from reference_broker.amqp.server import AmqpConnection
+from reference_broker.core import BrokerCore, ServeConfig
+from reference_broker.engine import Engine, EngineConfig
+from reference_broker.journal import Journal, SyncPolicy
+from reference_broker.records import decode
+from reference_broker.replication import BackupLink, LiveReplicationServer
+from reference_broker.stomp.server import StompConnection
+from reference_broker.store import Store
+from reference_broker.users import UsersFile
+from reference_broker.witness import Lease, Outcome, Timing, Witness
+
+__all__ = ["Node", "NodeConfig", "main"]
+
+log = logging.getLogger("reference_broker.node")
+
+LIVE = "live"
+BACKUP = "backup"
+
+
+@attrs.frozen
+class NodeConfig:
+    node_id: str
+    role: str  # the preferred role at start: "live" or "backup"
+    data_dir: Path
+    pair_dir: Path
+    host: str = "127.0.0.1"
+    stomp_port: int = 61613
+    amqp_port: int = 5672
+    replication_port: int = 61700
+    peer_host: str = "127.0.0.1"
+    peer_replication_port: int | None = None
+    peer_stomp_port: int | None = None
+    peer_amqp_port: int | None = None
+    users_file: Path | None = None
+    allow_anonymous: bool = False
+    heartbeat_timeout: float = 1.0
+    lease: float = 1.5
+    sync: str = "always"
+    allow_failback: bool = True
+    max_connection_ttl: float = 300.0
+
+    @property
+    def timing(self) -> Timing:
+        # The lease is checked against heartbeat_timeout + 1 s for the takeover deadline:
+        # margin and grace are a fifth of it, renewals every third.
+        return Timing(lease=self.lease, margin=self.lease / 5, grace=self.lease / 5)
+
+    def topology(self) -> dict[str, tuple[str, ...]]:
+        stomp = [f"{self.host}:{self.stomp_port}"]
+        amqp = [f"{self.host}:{self.amqp_port}"]
+        if self.peer_stomp_port:
+            stomp.append(f"{self.peer_host}:{self.peer_stomp_port}")
+        if self.peer_amqp_port:
+            amqp.append(f"{self.peer_host}:{self.peer_amqp_port}")
+        return {"stomp": tuple(stomp), "amqp": tuple(amqp)}
+
+
+class Node:
+    """A node process's state across role changes."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.role = BACKUP
+        self.activation = 0
+        self.lease: Lease | None = None
+        self.witness = Witness(config.pair_dir, config.timing)
+        self.users = (
+            UsersFile.load(config.users_file) if config.users_file is not None else UsersFile()
+        )
+        self._stopping = asyncio.Event()
+        self.synchronized = False
+        self.degraded = True
+        self._pending_activation: int | None = None
+        self.eligible: tuple[str, int] | None = None  # (live, activation) of a synced journal
+        self._backup_store: Store | None = None
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        config.pair_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- persistent identity ---------------------------------------------------------------
+
+    @property
+    def _identity_path(self) -> Path:
+        return self.config.data_dir / "node.json"
+
+    def _served_activation(self) -> int:
+        try:
+            return int(json.loads(self._identity_path.read_text())["activation"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+
+    def _record_activation(self, activation: int) -> None:
+        _write_json(self._identity_path, {"node_id": self.config.node_id, "activation": activation})
+
+    def write_status(self, **extra: Any) -> None:
+        config = self.config
+        _write_json(
+            config.data_dir / "status.json",
+            {
+                "node_id": config.node_id,
+                "role": self.role,
+                "pid": os.getpid(),
+                "host": config.host,
+                "stomp_port": config.stomp_port,
+                "amqp_port": config.amqp_port,
+                "replication_port": config.replication_port,
+                "activation": self.activation,
+                "synchronized": self.synchronized,
+                "degraded": self.degraded,
+                "time": time.time(),
+                **extra,
+            },
+        )
+
+    # --- main loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        self.role = LIVE if self._may_start_live() else BACKUP
+        while not self._stopping.is_set():
+            if self.role == LIVE:
+                self.role = await self._run_live()
+            else:
+                self.role = await self._run_backup()
+        self.write_status(stopped=True)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _may_start_live(self) -> bool:
+        """Activate at start only with the newest data: a new pair, or our own last activation."""
+        state = self.witness.read()
+        if state is None:
+            return self.config.role == LIVE
+        served = self._served_activation()
+        return state.holder in (self.config.node_id, None) and state.activation == served
+
+    # --- live ------------------------------------------------------------------------------
+
+    async def _acquire(self) -> bool:
+        """Take (or resume) the live role through the witness; False if another holds it."""
+        witness = self.witness
+        node_id = self.config.node_id
+        addresses = [f"{self.config.host}:{self.config.stomp_port}"]
+        if self._pending_activation is not None:
+            decision = witness.renew(node_id, self._pending_activation)
+            self._pending_activation = None
+        else:
+            decision = witness.try_activate(node_id, addresses)
+        if decision.outcome not in (Outcome.ACTIVATED, Outcome.RENEWED) or decision.lease is None:
+            log.info("%s not activated: %s", node_id, decision.reason)
+            return False
+        self.lease = decision.lease
+        self.activation = decision.lease.activation
+        self._record_activation(self.activation)
+        if not await self._wait_not_before():
+            return False
+        log.info("%s is live under activation %d (%s)", node_id, self.activation, decision.reason)
+        return True
+
+    async def _wait_not_before(self) -> bool:
+        """Wait out Lease.not_before (the old live renewed while we took over), renewing as due."""
+        while self.lease is not None:
+            now = time.monotonic()
+            if self.lease.may_serve(now):
+                return True
+            if now >= self.lease.not_before or self.lease.renew_due(now):
+                decision = self.witness.renew(self.config.node_id, self.activation)
+                if decision.outcome is not Outcome.RENEWED or decision.lease is None:
+                    log.warning(
+                        "%s fenced before serving: %s", self.config.node_id, decision.reason
+                    )
+                    self.lease = None
+                    return False
+                self.lease = decision.lease
+            await asyncio.sleep(min(0.02, max(0.0, self.lease.not_before - time.monotonic())))
+        return False
+
+    def may_serve(self) -> bool:
+        lease = self.lease
+        return lease is not None and lease.may_serve(time.monotonic())
+
+    async def _run_live(self) -> str:
+        config = self.config
+        if not await self._acquire():
+            return BACKUP
+        journal = await asyncio.to_thread(
+            Journal.open, config.data_dir / "journal", sync=_sync_policy(config.sync)
+        )
+        started = time.monotonic()
+        engine = await asyncio.to_thread(
+            lambda: Engine.recover(
+                (decode(r.type, r.payload) for r in journal.replay()),
+                EngineConfig(node_id=config.node_id, first_message_id=self.activation << 40),
+            )
+        )
+        log.info("journal recovered in %.3fs", time.monotonic() - started)
+        store = Store(journal, may_serve=self.may_serve)
+        core = BrokerCore(
+            engine,
+            store,
+            self.users,
+            ServeConfig(
+                node_id=config.node_id,
+                topology=config.topology(),
+                heartbeat=config.heartbeat_timeout / 2,
+                max_connection_ttl=config.max_connection_ttl,
+                allow_anonymous=config.allow_anonymous,
+            ),
+            may_serve=self.may_serve,
+        )
+        handed_over = asyncio.Event()
+        connections: set[StompConnection | AmqpConnection] = set()
+
+        def stomp_factory() -> StompConnection:
+            connection = StompConnection(core, on_lost=connections.discard)
+            connections.add(connection)
+            return connection
+
+        def amqp_factory() -> AmqpConnection:
+            connection = AmqpConnection(core, on_lost=connections.discard)
+            connections.add(connection)
+            return connection
+
+        async def handover() -> int:
+            # Failback: stop serving, let everything reach the backup, give the role away
+            # in the witness, and only then tell the backup (it starts by renewing).
+            await stop_serving()
+            await store.durable_barrier()
+            self._give_role_to(replication.backup_id)
+            handed_over.set()
+            return store.local_seq
+
+        replication = LiveReplicationServer(
+            store,
+            node_id=config.node_id,
+            activation=self.activation,
+            timeout=config.heartbeat_timeout,
+            on_handover=handover,
+            on_eligibility=self._record_eligibility,
+        )
+        servers: list[asyncio.Server] = []
+
+        async def stop_serving() -> None:
+            for server in servers:
+                server.close()
+            for connection in list(connections):
+                if connection.transport is not None:
+                    connection.transport.abort()
+            connections.clear()
+
+        loop = asyncio.get_running_loop()
+        try:
+            servers.append(
+                await loop.create_server(
+                    stomp_factory, config.host, config.stomp_port, reuse_address=True
+                )
+            )
+            servers.append(
+                await loop.create_server(
+                    amqp_factory, config.host, config.amqp_port, reuse_address=True
+                )
+            )
+            await replication.start(config.host, config.replication_port)
+        except OSError as exc:
+            log.error("cannot listen: %s", exc)  # noqa: TRY400 - the reason is the whole story
+            for server in servers:
+                server.close()
+            await replication.close()
+            await store.close()
+            self.lease = None  # serve nothing; the lease runs out and the backup may take over
+            await asyncio.sleep(0.5)
+            return BACKUP
+        core.start()
+        self.synchronized = False
+        self.degraded = True
+        self.write_status()
+        log.info(
+            "%s serving STOMP on %s:%d and AMQP on %s:%d (%s)",
+            config.node_id,
+            config.host,
+            config.stomp_port,
+            config.host,
+            config.amqp_port,
+            "degraded: no backup yet",
+        )
+        next_role = BACKUP
+        try:
+            while True:
+                if self._stopping.is_set():
+                    next_role = LIVE
+                    break
+                if handed_over.is_set():
+                    break
+                now = time.monotonic()
+                lease = self.lease
+                if lease is None or not lease.may_serve(now):
+                    log.warning("%s: lease no longer valid: fencing itself", config.node_id)
+                    break
+                if lease.renew_due(now):
+                    decision = self.witness.renew(config.node_id, self.activation)
+                    if decision.outcome is Outcome.RENEWED and decision.lease is not None:
+                        self.lease = decision.lease
+                    elif decision.outcome is Outcome.FENCED:
+                        log.warning("%s fenced: %s", config.node_id, decision.reason)
+                        self.lease = None
+                        break
+                if store.degraded != self.degraded:
+                    self.degraded = store.degraded
+                    self.write_status()
+                    log.info(
+                        "%s: %s",
+                        config.node_id,
+                        "degraded (live-only)" if self.degraded else "replicating synchronously",
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), 0.02)
+        finally:
+            self.lease = None if next_role == BACKUP else self.lease
+            await stop_serving()
+            core.stop()
+            await replication.close()
+            await store.close()
+            if self._stopping.is_set() and self.lease is not None:
+                self.witness.release(config.node_id, self.activation)
+                self.lease = None
+        return next_role
+
+    def _give_role_to(self, backup: str | None) -> None:
+        assert backup is not None
+        self.lease = None
+        decision = self.witness.hand_over(
+            self.config.node_id,
+            self.activation,
+            backup,
+            [f"{self.config.peer_host}:{self.config.peer_stomp_port}"],
+        )
+        log.info("%s: %s", self.config.node_id, decision.reason)
+
+    # --- backup ----------------------------------------------------------------------------
+
+    def _eligibility_path(self, activation: int) -> Path:
+        return self.config.pair_dir / f"eligible-{activation}.json"
+
+    def _record_eligibility(self, backup_id: str, eligible: bool) -> None:
+        """Live side: say whether the backup may take over from this activation.
+
+        Written (and fsynced) before the store changes mode, so a backup that lost the link
+        never takes over from a live that went on confirming without it.
+        """
+        _write_json(
+            self._eligibility_path(self.activation),
+            {"backup": backup_id, "eligible": eligible, "time": time.time()},
+            durable=True,
+        )
+
+    def _eligibility_recorded(self, activation: int) -> bool:
+        try:
+            value = json.loads(self._eligibility_path(activation).read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(value.get("eligible")) and value.get("backup") == self.config.node_id
+
+    async def _fresh_store(self) -> Store:
+        """A new, empty journal for an initial synchronization (the old one is stale)."""
+        await self._close_backup_store()
+        self.eligible = None
+        journal_dir = self.config.data_dir / "journal"
+        await asyncio.to_thread(shutil.rmtree, journal_dir, True)
+        journal = await asyncio.to_thread(
+            Journal.open, journal_dir, sync=_sync_policy(self.config.sync)
+        )
+        self._backup_store = Store(journal)
+        return self._backup_store
+
+    async def _close_backup_store(self) -> None:
+        if self._backup_store is not None:
+            await self._backup_store.close()
+            self._backup_store = None
+
+    def _synchronized(self, live_id: str, activation: int) -> None:
+        self.eligible = (live_id, activation)
+        self.synchronized = True
+        self.write_status()
+
+    async def _run_backup(self) -> str:
+        config = self.config
+        self.synchronized = False
+        self.degraded = True
+        self.write_status()
+        if config.peer_replication_port is None:
+            log.error("a backup needs --peer-replication-port; waiting to be stopped")
+            await self._stopping.wait()
+            return BACKUP
+        try:
+            while not self._stopping.is_set():
+                link = BackupLink(
+                    node_id=config.node_id,
+                    timeout=config.heartbeat_timeout,
+                    open_store=self._fresh_store,
+                    on_synchronized=self._synchronized,
+                )
+                follower = asyncio.get_running_loop().create_task(
+                    link.follow(config.peer_host, config.peer_replication_port)
+                )
+                outcome = await self._watch_link(link, follower)
+                if outcome is not None:
+                    return outcome
+                self.synchronized = False
+                self.write_status()
+                if self.eligible is not None and await self._take_over():
+                    return LIVE
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), 0.1)
+            return BACKUP
+        finally:
+            await self._close_backup_store()
+
+    async def _watch_link(self, link: BackupLink, follower: asyncio.Task[None]) -> str | None:
+        """Follow the live; LIVE after a failback hand-over, BACKUP to stop, None: link ended."""
+        config = self.config
+        asked = False
+        try:
+            while not follower.done():
+                if self._stopping.is_set():
+                    return BACKUP
+                if (
+                    link.synchronized
+                    and not asked
+                    and config.role == LIVE
+                    and config.allow_failback
+                ):
+                    asked = True
+                    log.info(
+                        "%s synchronized: asking %s to hand back", config.node_id, link.live_id
+                    )
+                    final = await link.request_handover()
+                    store = link.store
+                    while store is not None and store.journal.last_seq < final:
+                        if follower.done():
+                            return None
+                        await asyncio.sleep(0.005)
+                    state = self.witness.read()
+                    if state is not None and state.holder == config.node_id:
+                        self._pending_activation = state.activation
+                        return LIVE
+                # A live paused by SIGSTOP sends nothing: give up on the link after the
+                # heartbeat timeout so that the backup can take over.
+                if time.monotonic() - link.last_seen > config.heartbeat_timeout:
+                    log.warning("%s: live silent past the heartbeat timeout", config.node_id)
+                    return None
+                await asyncio.sleep(0.02)
+        finally:
+            if not follower.done():
+                follower.cancel()
+            with contextlib.suppress(BaseException):
+                await follower
+        return None
+
+    async def _take_over(self) -> bool:
+        """The live is lost: activate when the witness allows it and we are still eligible."""
+        assert self.eligible is not None
+        live_id, activation = self.eligible
+        config = self.config
+        log.warning("%s lost live %s: waiting for its lease", config.node_id, live_id)
+        last_outcome: Outcome | None = None
+        while not self._stopping.is_set():
+            if not self._eligibility_recorded(activation):
+                log.info(
+                    "%s: live %s revoked our eligibility: resynchronizing", config.node_id, live_id
+                )
+                return False
+            state = self.witness.read()
+            if state is None or state.activation != activation:
+                log.info(
+                    "%s: the role moved on (activation %s); staying backup",
+                    config.node_id,
+                    None if state is None else state.activation,
+                )
+                self.eligible = None
+                return False
+            decision = self.witness.try_activate(
+                config.node_id, [f"{config.host}:{config.stomp_port}"]
+            )
+            if decision.outcome is Outcome.ACTIVATED and decision.lease is not None:
+                await self._close_backup_store()
+                self.lease = decision.lease
+                self.activation = decision.lease.activation
+                self._pending_activation = self.activation
+                self._record_activation(self.activation)
+                log.warning("%s takes over: %s", config.node_id, decision.reason)
+                return True
+            if decision.outcome is not last_outcome:
+                last_outcome = decision.outcome
+                log.info("%s: %s (%s)", config.node_id, decision.outcome.value, decision.reason)
+            await asyncio.sleep(0.02)
+        return False
+
+
+async def _port_open(host: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 0.2)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def _sync_policy(name: str) -> SyncPolicy:
+    return {"always": SyncPolicy.always, "group": SyncPolicy.group, "never": SyncPolicy.never}[
+        name
+    ]()
+
+
+def _write_json(path: Path, value: dict[str, Any], *, durable: bool = False) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(value))
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
+    tmp.replace(path)
+    if durable:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hafailover broker run", description="Run one broker node.")
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--role", choices=[LIVE, BACKUP], required=True)
+    p.add_argument("--data-dir", type=Path, required=True)
+    p.add_argument("--pair-dir", type=Path, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--stomp-port", type=int, required=True)
+    p.add_argument("--amqp-port", type=int, required=True)
+    p.add_argument("--replication-port", type=int, required=True)
+    p.add_argument("--peer-host", default="127.0.0.1")
+    p.add_argument("--peer-replication-port", type=int)
+    p.add_argument("--peer-stomp-port", type=int)
+    p.add_argument("--peer-amqp-port", type=int)
+    p.add_argument("--users", type=Path, help="users file (hashed passwords)")
+    p.add_argument("--allow-anonymous", action="store_true")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    p.add_argument("--lease", type=float, default=1.5)
+    p.add_argument("--sync", choices=["always", "group", "never"], default="always")
+    p.add_argument("--no-failback", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        node_id=args.node_id,
+        role=args.role,
+        data_dir=args.data_dir,
+        pair_dir=args.pair_dir,
+        host=args.host,
+        stomp_port=args.stomp_port,
+        amqp_port=args.amqp_port,
+        replication_port=args.replication_port,
+        peer_host=args.peer_host,
+        peer_replication_port=args.peer_replication_port,
+        peer_stomp_port=args.peer_stomp_port,
+        peer_amqp_port=args.peer_amqp_port,
+        users_file=args.users,
+        allow_anonymous=args.allow_anonymous,
+        heartbeat_timeout=args.heartbeat_timeout,
+        lease=args.lease,
+        sync=args.sync,
+        allow_failback=not args.no_failback,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {args.node_id} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    node = Node(config_from_args(args))
+    asyncio.run(node.run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

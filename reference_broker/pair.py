@@ -1,0 +1,325 @@
+"""Run a live and a backup node as separate processes, for users and for tests.
+
+``BrokerPair`` starts both nodes on free (or given) loopback ports, waits until the live
+serves and the backup is synchronized, and stops both when the ``with`` block ends. Tests
+use it to kill (SIGKILL), pause (SIGSTOP), resume (SIGCONT) and restart nodes; it only ever
+signals the processes it started, by pid, and cleans every one of them up.
+
+``pair_up`` is the ``hafailover pair up`` command: the same, printing the addresses and the
+two failover URLs, until Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import attrs
+
+from reference_broker.users import UsersFile
+
+__all__ = ["BrokerPair", "NodeProcess", "PairError", "free_ports"]
+
+
+class PairError(RuntimeError):
+    """A node did not reach the state asked for in time."""
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the kernel says are free now (they are released before use: a small race)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@attrs.define
+class NodeProcess:
+    """One node of the pair: its name, ports, data directory and process."""
+
+    name: str
+    preferred_role: str
+    stomp_port: int
+    amqp_port: int
+    replication_port: int
+    data_dir: Path
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        if self.process is None:
+            raise PairError(f"node {self.name} is not running")
+        return self.process.pid
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def status(self) -> dict[str, Any]:
+        try:
+            status: dict[str, Any] = json.loads((self.data_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        if self.process is None or status.get("pid") != self.process.pid:
+            return {}  # written by an earlier incarnation
+        return status
+
+    @property
+    def role(self) -> str | None:
+        return self.status().get("role") if self.running else None
+
+    def __repr__(self) -> str:
+        return (
+            f"<node {self.name} pid={self.process.pid if self.process else None} role={self.role}>"
+        )
+
+
+class BrokerPair:
+    """A live and a backup node on one machine, started and stopped as a unit."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        user: str = "admin",
+        password: str = "admin",  # noqa: S107 - a loopback test pair; pass your own for real use
+        host: str = "127.0.0.1",
+        heartbeat_timeout: float = 1.0,
+        lease: float | None = None,
+        sync: str = "always",
+        allow_failback: bool = True,
+        ports: tuple[int, int, int, int, int, int] | None = None,
+        start_backup: bool = True,
+        log_level: str = "INFO",
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.user = user
+        self.password = password
+        self.host = host
+        self.heartbeat_timeout = heartbeat_timeout
+        self.lease = lease if lease is not None else heartbeat_timeout
+        self.sync = sync
+        self.allow_failback = allow_failback
+        self.start_backup = start_backup
+        self.log_level = log_level
+        p = list(ports) if ports is not None else free_ports(6, host)
+        self.nodes = (
+            NodeProcess(
+                "live", "live", p[0], p[1], p[2], self.data_dir / "live", self.data_dir / "live.log"
+            ),
+            NodeProcess(
+                "backup",
+                "backup",
+                p[3],
+                p[4],
+                p[5],
+                self.data_dir / "backup",
+                self.data_dir / "backup.log",
+            ),
+        )
+        self.users_file = self.data_dir / "users"
+        self.pair_dir = self.data_dir / "pair"
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> BrokerPair:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        users = UsersFile()
+        users.add(self.user, self.password)
+        users.save(self.users_file)
+        live, backup = self.nodes
+        self._spawn(live)
+        self.wait_active(timeout)
+        if self.start_backup:
+            self._spawn(backup)
+            self.wait_synchronized(timeout)
+
+    def stop(self) -> None:
+        """Stop every node this pair started: SIGTERM, then SIGKILL after a few seconds."""
+        for node in self.nodes:
+            if node.process is None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(node.process.pid, signal.SIGCONT)
+                node.process.terminate()
+        deadline = time.monotonic() + 5
+        for node in self.nodes:
+            if node.process is None:
+                continue
+            try:
+                node.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait(5)
+
+    def _spawn(self, node: NodeProcess) -> None:
+        other = self.nodes[1] if node is self.nodes[0] else self.nodes[0]
+        command = [
+            sys.executable,
+            "-m",
+            "reference_broker",
+            "run",
+            "--node-id", node.name,
+            "--role", node.preferred_role,
+            "--data-dir", str(node.data_dir),
+            "--pair-dir", str(self.pair_dir),
+            "--host", self.host,
+            "--stomp-port", str(node.stomp_port),
+            "--amqp-port", str(node.amqp_port),
+            "--replication-port", str(node.replication_port),
+            "--peer-host", self.host,
+            "--peer-replication-port", str(other.replication_port),
+            "--peer-stomp-port", str(other.stomp_port),
+            "--peer-amqp-port", str(other.amqp_port),
+            "--users", str(self.users_file),
+            "--heartbeat-timeout", str(self.heartbeat_timeout),
+            "--lease", str(self.lease),
+            "--sync", self.sync,
+            "--log-level", self.log_level,
+        ]  # fmt: skip
+        if not self.allow_failback:
+            command.append("--no-failback")
+        log = open(node.log_path, "ab")  # noqa: SIM115 - the child owns it after Popen
+        try:
+            node.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            log.close()
+
+    # --- what tests do ---------------------------------------------------------------------
+
+    @property
+    def live(self) -> NodeProcess:
+        """The node that says it is live (by its status), else the preferred live."""
+        for node in self.nodes:
+            if node.role == "live":
+                return node
+        return self.nodes[0]
+
+    @property
+    def backup(self) -> NodeProcess:
+        live = self.live
+        return self.nodes[1] if live is self.nodes[0] else self.nodes[0]
+
+    def node(self, name: str) -> NodeProcess:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    def kill(self, node: NodeProcess) -> None:
+        """SIGKILL, and reap the process."""
+        if node.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.process.pid, signal.SIGKILL)
+        node.process.wait(10)
+
+    def pause(self, node: NodeProcess) -> None:
+        os.kill(node.pid, signal.SIGSTOP)
+
+    def resume(self, node: NodeProcess) -> None:
+        os.kill(node.pid, signal.SIGCONT)
+
+    def restart(self, node: NodeProcess, timeout: float = 30.0) -> None:
+        """Start a stopped or killed node again; it rejoins as backup (or fails back)."""
+        if node.running:
+            self.kill(node)
+        self._spawn(node)
+        deadline = time.monotonic() + timeout
+        while not node.status():
+            if time.monotonic() > deadline:
+                raise PairError(f"node {node.name} did not start: see {node.log_path}")
+            time.sleep(0.02)
+
+    def wait_active(self, timeout: float = 10.0) -> NodeProcess:
+        """Wait until one running node serves as live; return it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                if node.running and node.status().get("role") == "live":
+                    return node
+            time.sleep(0.01)
+        raise PairError(f"no node became live within {timeout}s: see {self.data_dir}/*.log")
+
+    def wait_synchronized(self, timeout: float = 30.0) -> NodeProcess:
+        """Wait until the backup holds a synchronized copy and the live replicates to it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = [n for n in self.nodes if n.running and n.status().get("role") == "live"]
+            backup = [n for n in self.nodes if n.running and n.status().get("role") == "backup"]
+            if (
+                live
+                and backup
+                and backup[0].status().get("synchronized")
+                and not live[0].status().get("degraded")
+            ):
+                return backup[0]
+            time.sleep(0.01)
+        raise PairError(f"the backup did not synchronize within {timeout}s")
+
+    # --- addresses -------------------------------------------------------------------------
+
+    def _url(self, scheme: str, ports: list[int]) -> str:
+        credentials = f"{quote(self.user, safe='')}:{quote(self.password, safe='')}@"
+        brokers = ",".join(f"{scheme}://{credentials}{self.host}:{port}" for port in ports)
+        return f"failover:({brokers})"
+
+    @property
+    def stomp_url(self) -> str:
+        return self._url("stomp", [n.stomp_port for n in self.nodes])
+
+    @property
+    def amqp_url(self) -> str:
+        return self._url("amqp", [n.amqp_port for n in self.nodes])
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "nodes": [
+                {
+                    "name": n.name,
+                    "role": n.role,
+                    "pid": n.process.pid if n.process else None,
+                    "stomp": f"{self.host}:{n.stomp_port}",
+                    "amqp": f"{self.host}:{n.amqp_port}",
+                }
+                for n in self.nodes
+            ],
+            "stomp_url": self.stomp_url,
+            "amqp_url": self.amqp_url,
+            "data_dir": str(self.data_dir),
+        }

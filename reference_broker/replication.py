@@ -1,0 +1,362 @@
+"""Journal replication between the live and its backup.
+
+Theory of operation
+-------------------
+The backup connects to the live's replication port and says HELLO. The live answers
+SYNC_BEGIN with the last sequence number already in its journal, streams every record up
+to it (initial synchronization), then SYNC_END. From the moment it said SYNC_BEGIN, every
+batch the live writes is also sent, in order, after the synchronization part. The backup
+appends everything to a fresh journal with the live's own sequence numbers and
+acknowledges (ACK seq) every batch once it is on its disk.
+
+The backup is *eligible* to take over only after SYNC_END and the acknowledgement of
+everything up to it: from then on the live's store waits for the backup's ACK before
+confirming anything to a client (synchronous replication), so an eligible backup holds
+every confirmed record. A backup that loses the link is no longer eligible for anything
+written after the loss; when it reconnects it synchronizes again from scratch.
+
+Both ends send PING every quarter heart-beat timeout; a link silent for the timeout is
+dead. Frames are ``u32 length, u8 kind, payload``; a RECORDS payload is a run of
+``u64 seq, u8 type, u32 length, bytes``. HANDOVER asks the live to step down for a
+synchronized former live (failback); the live answers HANDOVER_READY with its final
+sequence number once it has stopped serving and the backup has acknowledged everything.
+
+This module moves records; it never decides roles (the node does, with the witness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+from reference_broker.journal import Record
+from reference_broker.store import Store
+
+__all__ = [
+    "BackupLink",
+    "Kind",
+    "LiveReplicationServer",
+    "read_frame",
+    "write_frame",
+]
+
+log = logging.getLogger(__name__)
+
+_HEAD: Final = struct.Struct("<IB")
+_RECORD: Final = struct.Struct("<QBI")
+_SEQ: Final = struct.Struct("<Q")
+MAX_FRAME: Final = 64 * 1024 * 1024
+SYNC_CHUNK: Final = 2000  # records per executor call while copying the journal
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    SYNC_BEGIN = 2
+    RECORDS = 3
+    SYNC_END = 4
+    ACK = 5
+    PING = 6
+    HANDOVER = 7
+    HANDOVER_READY = 8
+
+
+class ReplicationProtocolError(ConnectionError):
+    """The peer sent something this end cannot accept."""
+
+
+def encode_records(records: list[Record]) -> bytes:
+    parts: list[bytes] = []
+    for record in records:
+        parts.append(_RECORD.pack(record.seq, record.type, len(record.payload)))
+        parts.append(record.payload)
+    return b"".join(parts)
+
+
+def decode_records(payload: bytes) -> list[Record]:
+    records: list[Record] = []
+    offset = 0
+    view = memoryview(payload)
+    while offset < len(payload):
+        if offset + _RECORD.size > len(payload):
+            raise ReplicationProtocolError("truncated record header in RECORDS")
+        seq, rtype, length = _RECORD.unpack_from(payload, offset)
+        offset += _RECORD.size
+        if offset + length > len(payload):
+            raise ReplicationProtocolError("truncated record payload in RECORDS")
+        records.append(Record(type=rtype, seq=seq, payload=bytes(view[offset : offset + length])))
+        offset += length
+    return records
+
+
+def write_frame(writer: asyncio.StreamWriter, kind: Kind, payload: bytes = b"") -> None:
+    writer.write(_HEAD.pack(len(payload) + 1, kind) + payload)
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout: float) -> tuple[Kind, bytes]:
+    head = await asyncio.wait_for(reader.readexactly(4), timeout)
+    (length,) = struct.unpack("<I", head)
+    if not 1 <= length <= MAX_FRAME:
+        raise ReplicationProtocolError(f"replication frame of {length} bytes")
+    body = await asyncio.wait_for(reader.readexactly(length), timeout)
+    try:
+        kind = Kind(body[0])
+    except ValueError:
+        raise ReplicationProtocolError(f"unknown replication frame kind {body[0]}") from None
+    return kind, body[1:]
+
+
+def _json(payload: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        raise ReplicationProtocolError("malformed JSON in a replication frame") from None
+    if not isinstance(value, dict):
+        raise ReplicationProtocolError("a replication JSON frame must be an object")
+    return value
+
+
+# --- the live's end -----------------------------------------------------------------------
+
+
+class LiveReplicationServer:
+    """Accepts one backup at a time and keeps it in step with the live's store."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        node_id: str,
+        activation: int,
+        timeout: float,
+        on_handover: Callable[[], Awaitable[int]],
+        on_eligibility: Callable[[str, bool], None],
+    ) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.activation = activation
+        self.timeout = timeout
+        self._on_handover = on_handover
+        # Called before the store changes mode: the backup may take over only while the
+        # live has recorded it as eligible, and the live revokes that before it confirms
+        # anything without the backup.
+        self._on_eligibility = on_eligibility
+        self._writer: asyncio.StreamWriter | None = None
+        self._syncing = False
+        self._backlog: list[Record] = []
+        self.backup_id: str | None = None
+        self.synchronized = False
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._accept, host, port, reuse_address=True)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self._writer is not None:
+            self._writer.close()
+        self.store.detach_replica("live stopping")
+
+    # Called by the store for every batch written while a backup is attached.
+    def replicate(self, records: list[Record]) -> None:
+        if self._syncing:
+            self._backlog.extend(records)
+        elif self._writer is not None and not self._writer.is_closing():
+            write_frame(self._writer, Kind.RECORDS, encode_records(records))
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            log.warning("a second backup tried to attach; refused")
+            writer.close()
+            return
+        self._writer = writer
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
+            log.warning("replication link to backup %s lost: %r", self.backup_id, exc)
+        finally:
+            self.synchronized = False
+            self._syncing = False
+            self._backlog = []
+            if self._writer is writer:
+                self._writer = None
+                if self.backup_id is not None:
+                    self._on_eligibility(self.backup_id, False)
+                self.store.detach_replica(f"link to backup {self.backup_id} lost")
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind, payload = await read_frame(reader, self.timeout)
+        if kind is not Kind.HELLO:
+            raise ReplicationProtocolError(f"expected HELLO, got {kind.name}")
+        hello = _json(payload)
+        self.backup_id = str(hello.get("node_id"))
+        log.info("backup %s attached: initial synchronization starts", self.backup_id)
+        self._syncing = True
+        upto = self.store.attach_replica(self)
+        begin = {"live": self.node_id, "activation": self.activation, "upto": upto}
+        write_frame(writer, Kind.SYNC_BEGIN, json.dumps(begin).encode())
+        pinger = asyncio.get_running_loop().create_task(self._ping(writer))
+        try:
+            await self._copy_journal(writer, upto)
+            write_frame(writer, Kind.SYNC_END, _SEQ.pack(upto))
+            # Everything written since SYNC_BEGIN follows, in order.
+            backlog, self._backlog, self._syncing = self._backlog, [], False
+            if backlog:
+                write_frame(writer, Kind.RECORDS, encode_records(backlog))
+            await writer.drain()
+            await self._read_acks(reader, writer, upto)
+        finally:
+            pinger.cancel()
+
+    async def _copy_journal(self, writer: asyncio.StreamWriter, upto: int) -> None:
+        journal = self.store.journal
+        cursor = 0
+        while cursor < upto:
+            after = cursor
+
+            def chunk(after: int = after) -> list[Record]:
+                out: list[Record] = []
+                for record in journal.records_after(after):
+                    if record.seq > upto:
+                        break
+                    out.append(record)
+                    if len(out) >= SYNC_CHUNK:
+                        break
+                return out
+
+            records = await self.store.run(chunk)
+            if not records:
+                break
+            write_frame(writer, Kind.RECORDS, encode_records(records))
+            await writer.drain()
+            cursor = records[-1].seq
+
+    async def _read_acks(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upto: int
+    ) -> None:
+        while True:
+            kind, payload = await read_frame(reader, self.timeout)
+            if kind is Kind.ACK:
+                (seq,) = _SEQ.unpack(payload)
+                if not self.synchronized and seq >= upto:
+                    self.synchronized = True
+                    assert self.backup_id is not None
+                    self.store.replica_synchronized(seq)
+                    self._on_eligibility(self.backup_id, True)
+                else:
+                    self.store.backup_acknowledged(seq)
+            elif kind is Kind.PING:
+                continue
+            elif kind is Kind.HANDOVER:
+                if not self.synchronized:
+                    raise ReplicationProtocolError("HANDOVER from a backup that is not in sync")
+                final = await self._on_handover()
+                write_frame(writer, Kind.HANDOVER_READY, _SEQ.pack(final))
+                await writer.drain()
+            else:
+                raise ReplicationProtocolError(f"unexpected {kind.name} from the backup")
+
+    async def _ping(self, writer: asyncio.StreamWriter) -> None:
+        while not writer.is_closing():
+            write_frame(writer, Kind.PING)
+            await asyncio.sleep(self.timeout / 4)
+
+
+# --- the backup's end ---------------------------------------------------------------------
+
+
+class BackupLink:
+    """The backup's connection to the live: copies its journal and follows it."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        timeout: float,
+        open_store: Callable[[], Awaitable[Store]],
+        on_synchronized: Callable[[str, int], None],
+    ) -> None:
+        self.node_id = node_id
+        self.timeout = timeout
+        self.store: Store | None = None  # a fresh journal, opened at SYNC_BEGIN
+        self._open_store = open_store
+        self._on_synchronized = on_synchronized
+        self.synchronized = False
+        self.live_id: str | None = None
+        self.activation = 0
+        self.last_seen = time.monotonic()
+        self._writer: asyncio.StreamWriter | None = None
+        self._handover: asyncio.Future[int] | None = None
+
+    async def follow(self, host: str, port: int) -> None:
+        """Connect, synchronize and follow until the link dies (then return or raise)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout)
+        self._writer = writer
+        self.last_seen = time.monotonic()
+        pinger = asyncio.get_running_loop().create_task(self._ping(writer))
+        try:
+            write_frame(writer, Kind.HELLO, json.dumps({"node_id": self.node_id}).encode())
+            kind, payload = await read_frame(reader, self.timeout)
+            if kind is not Kind.SYNC_BEGIN:
+                raise ReplicationProtocolError(f"expected SYNC_BEGIN, got {kind.name}")
+            begin = _json(payload)
+            self.live_id = str(begin.get("live"))
+            self.activation = int(begin.get("activation", 0))
+            upto = int(begin.get("upto", 0))
+            store = self.store = await self._open_store()
+            log.info("synchronizing from live %s up to seq %d", self.live_id, upto)
+            journal = store.journal
+            while True:
+                kind, payload = await read_frame(reader, self.timeout)
+                self.last_seen = time.monotonic()
+                if kind is Kind.RECORDS:
+                    records = decode_records(payload)
+                    if records:
+
+                        def append(records: list[Record] = records) -> int:
+                            journal.append_records(records)
+                            journal.sync()
+                            return journal.last_seq
+
+                        last = await store.run(append)
+                        if self.synchronized or last >= upto:
+                            write_frame(writer, Kind.ACK, _SEQ.pack(last))
+                elif kind is Kind.SYNC_END:
+                    last = await store.run(lambda: journal.last_seq)
+                    write_frame(writer, Kind.ACK, _SEQ.pack(max(last, upto)))
+                    self.synchronized = True
+                    self._on_synchronized(self.live_id, self.activation)
+                    log.info("synchronized with live %s: eligible to take over", self.live_id)
+                elif kind is Kind.PING:
+                    continue
+                elif kind is Kind.HANDOVER_READY:
+                    (final,) = _SEQ.unpack(payload)
+                    if self._handover is not None and not self._handover.done():
+                        self._handover.set_result(final)
+                else:
+                    raise ReplicationProtocolError(f"unexpected {kind.name} from the live")
+        finally:
+            pinger.cancel()
+            self._writer = None
+            writer.close()
+
+    async def request_handover(self) -> int:
+        """Failback: ask the live to step down; returns its final sequence number."""
+        if self._writer is None or not self.synchronized:
+            raise ConnectionError("not synchronized with a live")
+        self._handover = asyncio.get_running_loop().create_future()
+        write_frame(self._writer, Kind.HANDOVER)
+        return await self._handover
+
+    async def _ping(self, writer: asyncio.StreamWriter) -> None:
+        while not writer.is_closing():
+            write_frame(writer, Kind.PING)
+            await asyncio.sleep(self.timeout / 4)

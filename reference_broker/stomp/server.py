@@ -1,0 +1,656 @@
+"""The STOMP 1.2 server: frames from the codec, operations on the engine, frames back.
+
+One ``StompConnection`` per TCP connection (an asyncio protocol); the session state it
+serves lives in a ``StompSession``, so that a session can outlive its connection and be
+taken over by a new one (the reattach extension, docs/protocol-reattach.md).
+
+Rules this module enforces:
+- CONNECT (or STOMP) first, accept-version including 1.2, login and passcode checked
+  against the users file; anything else gets an ERROR frame naming the problem, and the
+  connection is closed after it, as the spec requires.
+- A receipt for a SEND of a persistent message, an ACK, NACK, COMMIT or DISCONNECT is sent
+  only when what it confirms is durable (the live's journal and the backup). Receipts go out
+  in the order their frames came in.
+- Heart-beats both ways: the server sends EOLs at the negotiated period and closes a
+  connection that stays silent for twice the period it asked for.
+- Destinations: ``/queue/x``, ``/topic/x``, ``/temp-queue/x`` and the ``queue://x`` forms.
+  Temporary queues get names unique to the session, kept across a reattach or reconnect.
+- Duplicate detection: a SEND carrying ``_AMQ_DUPL_ID`` that the address has seen is
+  dropped and still acknowledged with its receipt (DESIGN F13).
+- Flow control: a slow reader pauses its consumers while the socket's buffer is full, so
+  the broker never buffers without bound for one client.
+
+It never touches the journal or the replication link: durability is the core's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+from reference_broker.core import BrokerCore
+from reference_broker.engine import AckMode, Delivery
+from reference_broker.message import BrokerError, InvalidRequestError
+from reference_broker.stomp.codec import (
+    Frame,
+    FrameParser,
+    Heartbeat,
+    ParserLimits,
+    Side,
+    StompProtocolError,
+    encode,
+    encode_header,
+    encode_message,
+    format_heart_beat,
+    negotiate_heart_beat,
+    parse_heart_beat,
+)
+
+__all__ = ["StompConnection", "StompSession", "serve_stomp", "stomp_destination"]
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME: Final = "hafailover-reference-broker/0.1"
+DUPLICATE_ID_HEADER: Final = "_AMQ_DUPL_ID"
+# Reattach extension headers (docs/protocol-reattach.md).
+H_SESSION: Final = "hafailover-session"
+H_REATTACH: Final = "hafailover-reattach"
+H_WINDOW: Final = "hafailover-window"
+H_TTL: Final = "hafailover-ttl"
+H_LAST_RECEIVED: Final = "hafailover-last-received"
+H_TOPOLOGY: Final = "hafailover-topology"
+CONFIRM_PREFIX: Final = "hafailover-confirm:"
+
+# Headers the broker interprets on SEND; everything else travels with the message.
+_SEND_CONTROL: Final = frozenset(
+    {
+        "destination",
+        "content-length",
+        "receipt",
+        "transaction",
+        "persistent",
+        "priority",
+        "expires",
+        DUPLICATE_ID_HEADER,
+    }
+)
+_ACK_MODES: Final = {
+    "auto": AckMode.AUTO,
+    "client": AckMode.CLIENT,
+    "client-individual": AckMode.CLIENT_INDIVIDUAL,
+}
+_WRITE_HIGH_WATER: Final = 4 * 1024 * 1024
+
+
+def stomp_destination(destination: str, session: StompSession) -> str:
+    """Map a STOMP destination to the engine's canonical address."""
+    for prefix, canonical in (("/queue/", "queue://"), ("/topic/", "topic://")):
+        if destination.startswith(prefix) and len(destination) > len(prefix):
+            return canonical + destination[len(prefix) :]
+    if destination.startswith("/temp-queue/") and len(destination) > len("/temp-queue/"):
+        return session.temp_queue(destination[len("/temp-queue/") :])
+    if destination.startswith(("queue://", "topic://", "temp-queue://")):
+        return destination
+    raise InvalidRequestError(
+        f"unknown destination {destination!r}: use /queue/NAME, /topic/NAME, "
+        "/temp-queue/NAME, queue://NAME or topic://NAME"
+    )
+
+
+def _reply_destination(address: str) -> str:
+    for canonical, prefix in (("queue://", "/queue/"), ("topic://", "/topic/")):
+        if address.startswith(canonical):
+            return prefix + address[len(canonical) :]
+    return address
+
+
+class StompSession:
+    """A STOMP session's state on the broker, independent of the socket that carries it."""
+
+    def __init__(self, core: BrokerCore, session_id: str, user: str | None) -> None:
+        self.core = core
+        self.session_id = session_id
+        self.user = user
+        self.connection_id = core.engine.connect()
+        self.subscriptions: dict[str, int] = {}  # subscription id -> consumer id
+        self.consumer_subscription: dict[int, str] = {}
+        self.destinations: dict[int, str] = {}  # consumer id -> reply destination
+        self.unacked: dict[tuple[int, int], Delivery] = {}  # client-ack deliveries in flight
+        self.temp_names: dict[str, str] = {}
+        # Reattach: client frames counted from 0; confirmations every half window of bytes.
+        self.window = -1
+        self.ttl = 0.0
+        self.received = -1
+        self.bytes_since_confirm = 0
+        self.connection: StompConnection | None = None
+
+    @property
+    def reattachable(self) -> bool:
+        return self.window > 0 and self.ttl > 0
+
+    def temp_queue(self, name: str) -> str:
+        address = self.temp_names.get(name)
+        if address is None:
+            address = f"temp-queue://{self.session_id}-{name}"
+            self.temp_names[name] = address
+        self.core.engine.create_temp_queue(self.connection_id, address)
+        return address
+
+    def expire(self) -> None:
+        """The held session's TTL passed: end it in the engine."""
+        self.end()
+
+    def end(self) -> None:
+        core = self.core
+        for consumer_id in self.consumer_subscription:
+            core.remove_target(consumer_id)
+        with contextlib.suppress(BrokerError):  # already gone
+            core.engine.disconnect(self.connection_id)
+        self.subscriptions.clear()
+        self.consumer_subscription.clear()
+        self.unacked.clear()
+        core.kick()
+
+
+class StompConnection(asyncio.Protocol):
+    """One client's TCP connection speaking STOMP 1.2."""
+
+    def __init__(
+        self,
+        core: BrokerCore,
+        limits: ParserLimits | None = None,
+        *,
+        on_lost: Callable[[StompConnection], None] | None = None,
+    ) -> None:
+        self.core = core
+        self._on_lost = on_lost
+        self.parser = FrameParser(
+            Side.SERVER, limits or ParserLimits(max_body_size=core.config.max_body_size)
+        )
+        self.transport: asyncio.Transport | None = None
+        self.session: StompSession | None = None
+        self.peer = "?"
+        self._receipts: deque[tuple[asyncio.Future[None] | None, bytes]] = deque()
+        self._closing = False
+        self._explicit_disconnect = False
+        self._last_received = time.monotonic()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._connect_timer: asyncio.TimerHandle | None = None
+        self._paused = False
+
+    # --- asyncio callbacks -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self._connect_timer = asyncio.get_running_loop().call_later(30, self._connect_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self._last_received = time.monotonic()
+        try:
+            events = self.parser.feed(data)
+        except StompProtocolError as exc:
+            for event in exc.events:
+                if self._closing:
+                    return
+                self._handle_event(event)
+            self._error(exc.message)
+            return
+        for event in events:
+            if self._closing:
+                return
+            self._handle_event(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        if self._on_lost is not None:
+            self._on_lost(self)
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        if self._connect_timer is not None:
+            self._connect_timer.cancel()
+        session = self.session
+        if session is None or session.connection is not self:
+            return
+        session.connection = None
+        if session.reattachable and not self._explicit_disconnect:
+            # F4: keep the session for a reattach within its TTL; its consumers pause.
+            self.core.engine.pause_connection(session.connection_id)
+            self.core.hold_session(session.session_id, session, session.ttl)
+            log.info("stomp session %s held %.1fs for reattach", session.session_id, session.ttl)
+        else:
+            session.end()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self.session is not None:
+            self.core.engine.pause_connection(self.session.connection_id)
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.session is not None and not self._closing:
+            self.core.engine.resume_connection(self.session.connection_id)
+            self.core.kick()
+
+    # --- frames ----------------------------------------------------------------------------
+
+    def _handle_event(self, event: Frame | Heartbeat) -> None:
+        if isinstance(event, Heartbeat):
+            return
+        frame = event
+        command = frame.command
+        session = self.session
+        if session is None:
+            if command in ("CONNECT", "STOMP"):
+                self._on_connect(frame)
+            else:
+                self._error(f"expected CONNECT or STOMP as the first frame, got {command}")
+            return
+        if command in ("CONNECT", "STOMP"):
+            self._error("already connected: CONNECT may only be sent once")
+            return
+        if not self.core.may_serve():
+            # Fenced (a pause outlived the lease): accept nothing, not even a non-persistent
+            # send, so that two nodes never accept at the same moment.
+            self._error("this node is no longer active: reconnect to the live node")
+            return
+        session.received += 1
+        size = len(frame.body) + 64
+        try:
+            handler = self._HANDLERS[command]
+            handler(self, frame, session)
+        except BrokerError as exc:
+            self._error(str(exc), receipt=frame.get("receipt"))
+            return
+        except StompProtocolError as exc:
+            self._error(exc.message, receipt=frame.get("receipt"))
+            return
+        if session.reattachable:
+            session.bytes_since_confirm += size
+            if session.bytes_since_confirm * 2 >= session.window:
+                session.bytes_since_confirm = 0
+                self._send_receipt(f"{CONFIRM_PREFIX}{session.received}", durable=False)
+
+    def _on_connect(self, frame: Frame) -> None:
+        versions = [v.strip() for v in frame.get("accept-version", "1.0").split(",")]
+        if "1.2" not in versions:
+            self._error(
+                f"unsupported STOMP version(s) {', '.join(versions)}: this broker speaks 1.2"
+            )
+            return
+        user, passcode = frame.get("login"), frame.get("passcode")
+        if not self.core.authenticate(user, passcode, self.peer):
+            self._error(f"authentication failed for user {user!r}")
+            return
+        if not self.core.may_serve():
+            self._error("this node is not active: connect to the live node")
+            return
+        try:
+            client_hb = parse_heart_beat(frame.get("heart-beat", "0,0"))
+        except StompProtocolError as exc:
+            self._error(exc.message)
+            return
+        server_ms = int(self.core.config.heartbeat * 1000)
+        intervals = negotiate_heart_beat(client_hb, (server_ms, server_ms))
+        if self._connect_timer is not None:
+            self._connect_timer.cancel()
+
+        headers: list[tuple[str, str]] = [
+            ("version", "1.2"),
+            ("heart-beat", format_heart_beat(server_ms, server_ms)),
+            ("server", SERVER_NAME),
+        ]
+        session: StompSession | None = None
+        reattached = False
+        wanted = frame.get(H_REATTACH)
+        if wanted:
+            held = self.core.claim_session(wanted)
+            if isinstance(held, StompSession) and held.user == user:
+                session = held
+                reattached = True
+                headers.append((H_LAST_RECEIVED, str(session.received)))
+                log.info("stomp session %s reattached from %s", wanted, self.peer)
+            else:
+                headers.append((H_REATTACH, "refused"))
+                if held is not None:  # pragma: no cover - another user's session id
+                    held.expire()
+        if session is None:
+            session = StompSession(self.core, self.core.new_session_id(), user)
+            try:
+                session.window = int(frame.get(H_WINDOW, "-1"))
+                ttl_ms = int(frame.get(H_TTL, "0"))
+            except ValueError:
+                self._error(f"{H_WINDOW} and {H_TTL} must be whole numbers")
+                return
+            session.ttl = min(ttl_ms / 1000.0, self.core.config.max_connection_ttl)
+        headers.append(("session", session.session_id))
+        headers.append((H_SESSION, session.session_id))
+        topology = self.core.config.topology.get("stomp")
+        if topology:
+            headers.append((H_TOPOLOGY, ",".join(topology)))
+        self.session = session
+        session.connection = self
+        self._write(encode(Frame("CONNECTED", tuple(headers))))
+        if intervals.server_to_client or intervals.client_to_server:
+            self._heartbeat_task = asyncio.get_running_loop().create_task(
+                self._heartbeat(
+                    intervals.server_to_client / 1000, intervals.client_to_server / 1000
+                )
+            )
+        if reattached:
+            self._resume(session)
+
+    def _resume(self, session: StompSession) -> None:
+        """After a reattach: re-send deliveries the old socket may have lost, then go on."""
+        for delivery in list(session.unacked.values()):
+            self._write_delivery(session, delivery, redelivered=True)
+        for consumer_id in session.consumer_subscription:
+            self.core.add_target(consumer_id, self)
+        self.core.engine.resume_connection(session.connection_id)
+        self.core.kick()
+
+    def _on_send(self, frame: Frame, session: StompSession) -> None:
+        destination = frame.get("destination")
+        if not destination:
+            raise InvalidRequestError("SEND needs a destination header")
+        address = stomp_destination(destination, session)
+        headers = {k: v for k, v in frame.header_map.items() if k not in _SEND_CONTROL}
+        reply_to = headers.get("reply-to")
+        if reply_to is not None and reply_to.startswith("/temp-queue/"):
+            # A temporary queue's STOMP name is scoped to its session; the reply must
+            # reach this session's queue from any other, so carry its broker-wide address.
+            headers["reply-to"] = stomp_destination(reply_to, session)
+        persistent = frame.get("persistent", "false").lower() == "true"
+        priority = _int_header(frame, "priority", 4)
+        expires = _int_header(frame, "expires", 0)
+        tx = self._transaction(frame, session)
+        self.core.engine.send(
+            address,
+            frame.body,
+            headers=headers,
+            persistent=persistent,
+            priority=priority,
+            expiration=expires / 1000.0 if expires else None,
+            duplicate_id=frame.get(DUPLICATE_ID_HEADER),
+            tx=tx,
+        )
+        self.core.kick()
+        receipt = frame.get("receipt")
+        if receipt is not None:
+            self._send_receipt(receipt, durable=persistent and tx is None)
+
+    def _on_subscribe(self, frame: Frame, session: StompSession) -> None:
+        sub_id = frame.get("id")
+        destination = frame.get("destination")
+        if not sub_id or not destination:
+            raise InvalidRequestError("SUBSCRIBE needs id and destination headers")
+        if sub_id in session.subscriptions:
+            raise InvalidRequestError(f"subscription id {sub_id!r} is already in use")
+        if frame.get("selector"):
+            raise InvalidRequestError("message selectors are not supported by this broker")
+        ack_text = frame.get("ack", "auto")
+        ack_mode = _ACK_MODES.get(ack_text)
+        if ack_mode is None:
+            raise InvalidRequestError(
+                f"unknown ack mode {ack_text!r}: use auto, client or client-individual"
+            )
+        prefetch_text = frame.get("activemq.prefetchSize") or frame.get("prefetch-count")
+        window: int | None = None
+        if ack_mode is not AckMode.AUTO:
+            window = self.core.config.default_prefetch
+        if prefetch_text is not None:
+            prefetch_header = (
+                "prefetch-count" if frame.get("prefetch-count") else "activemq.prefetchSize"
+            )
+            window = _int_header(frame, prefetch_header, 0) or None
+        durable_name = frame.get("durable-subscription-name") or frame.get(
+            "activemq.subscriptionName"
+        )
+        address = stomp_destination(destination, session)
+        consumer_id = self.core.engine.subscribe(
+            session.connection_id,
+            address,
+            ack_mode=ack_mode,
+            window=window,
+            subscription=durable_name,
+        )
+        session.subscriptions[sub_id] = consumer_id
+        session.consumer_subscription[consumer_id] = sub_id
+        session.destinations[consumer_id] = destination
+        self.core.add_target(consumer_id, self)
+        self.core.kick()
+        receipt = frame.get("receipt")
+        if receipt is not None:
+            self._send_receipt(receipt, durable=True)
+
+    def _on_unsubscribe(self, frame: Frame, session: StompSession) -> None:
+        sub_id = frame.get("id")
+        consumer_id = session.subscriptions.pop(sub_id or "", None)
+        if consumer_id is None:
+            raise InvalidRequestError(f"no subscription with id {sub_id!r}")
+        del session.consumer_subscription[consumer_id]
+        session.destinations.pop(consumer_id, None)
+        for key in [k for k in session.unacked if k[0] == consumer_id]:
+            del session.unacked[key]
+        self.core.remove_target(consumer_id)
+        self.core.engine.close_consumer(consumer_id)
+        self.core.kick()
+        self._maybe_receipt(frame, durable=True)
+
+    def _on_ack(self, frame: Frame, session: StompSession, *, nack: bool = False) -> None:
+        ack_id = frame.get("id")
+        if not ack_id:
+            raise InvalidRequestError(f"{frame.command} needs an id header")
+        consumer_id, tag = _parse_ack_id(ack_id)
+        if consumer_id not in session.consumer_subscription:
+            raise InvalidRequestError(f"{frame.command} of {ack_id!r}: no such subscription here")
+        tx = self._transaction(frame, session)
+        engine = self.core.engine
+        if nack:
+            engine.nack(consumer_id, tag, tx=tx)
+        else:
+            engine.ack(consumer_id, tag, tx=tx)
+        # CLIENT mode settles everything up to the tag: forget those deliveries too.
+        if engine.consumer_info(consumer_id).ack_mode is AckMode.CLIENT:
+            for key in [k for k in session.unacked if k[0] == consumer_id and k[1] <= tag]:
+                del session.unacked[key]
+        else:
+            session.unacked.pop((consumer_id, tag), None)
+        self.core.kick()
+        self._maybe_receipt(frame, durable=tx is None)
+
+    def _on_nack(self, frame: Frame, session: StompSession) -> None:
+        self._on_ack(frame, session, nack=True)
+
+    def _on_begin(self, frame: Frame, session: StompSession) -> None:
+        name = frame.get("transaction")
+        if not name:
+            raise InvalidRequestError("BEGIN needs a transaction header")
+        self.core.engine.begin(session.connection_id, name)
+        self._maybe_receipt(frame, durable=False)
+
+    def _on_commit(self, frame: Frame, session: StompSession) -> None:
+        tx = self._named_transaction(frame, session)
+        self.core.engine.commit(tx)
+        self.core.kick()
+        self._maybe_receipt(frame, durable=True)
+
+    def _on_abort(self, frame: Frame, session: StompSession) -> None:
+        tx = self._named_transaction(frame, session)
+        self.core.engine.rollback(tx)
+        self.core.kick()
+        self._maybe_receipt(frame, durable=False)
+
+    def _on_disconnect(self, frame: Frame, session: StompSession) -> None:
+        self._explicit_disconnect = True
+        receipt = frame.get("receipt")
+        if receipt is not None:
+            self._send_receipt(receipt, durable=True, then_close=True)
+        else:
+            self._close()
+
+    _HANDLERS: Final = {
+        "SEND": _on_send,
+        "SUBSCRIBE": _on_subscribe,
+        "UNSUBSCRIBE": _on_unsubscribe,
+        "ACK": _on_ack,
+        "NACK": _on_nack,
+        "BEGIN": _on_begin,
+        "COMMIT": _on_commit,
+        "ABORT": _on_abort,
+        "DISCONNECT": _on_disconnect,
+    }
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _transaction(self, frame: Frame, session: StompSession) -> int | None:
+        name = frame.get("transaction")
+        if name is None:
+            return None
+        return self.core.engine.transaction_id(session.connection_id, name)
+
+    def _named_transaction(self, frame: Frame, session: StompSession) -> int:
+        tx = self._transaction(frame, session)
+        if tx is None:
+            raise InvalidRequestError(f"{frame.command} needs a transaction header")
+        return tx
+
+    def _maybe_receipt(self, frame: Frame, *, durable: bool) -> None:
+        receipt = frame.get("receipt")
+        if receipt is not None:
+            self._send_receipt(receipt, durable=durable)
+
+    def _send_receipt(self, receipt_id: str, *, durable: bool, then_close: bool = False) -> None:
+        data = encode(Frame("RECEIPT", (("receipt-id", receipt_id),)))
+        future = self.core.durable() if durable else None
+        if future is None and not self._receipts:
+            self._write(data)
+            if then_close:
+                self._close()
+            return
+        self._receipts.append((future, data))
+        if future is not None:
+            future.add_done_callback(lambda _: self._flush_receipts(then_close))
+
+    def _flush_receipts(self, then_close: bool = False) -> None:
+        receipts = self._receipts
+        while receipts:
+            future, data = receipts[0]
+            if future is not None:
+                if not future.done():
+                    return
+                if future.exception() is not None:
+                    self._error(f"not confirmed: {future.exception()}")
+                    return
+            receipts.popleft()
+            self._write(data)
+        if then_close:
+            self._close()
+
+    def deliver(self, delivery: Delivery) -> None:
+        session = self.session
+        if session is None or self._closing:
+            return
+        consumer_id = delivery.consumer_id
+        if session.consumer_subscription.get(consumer_id) is None:
+            return
+        if self.core.engine.consumer_info(consumer_id).ack_mode is not AckMode.AUTO:
+            session.unacked[(consumer_id, delivery.tag)] = delivery
+        self._write_delivery(session, delivery, redelivered=delivery.redelivered)
+
+    def _write_delivery(
+        self, session: StompSession, delivery: Delivery, *, redelivered: bool
+    ) -> None:
+        message = delivery.message
+        consumer_id = delivery.consumer_id
+        own = [
+            ("subscription", session.consumer_subscription[consumer_id]),
+            ("message-id", f"{self.core.config.node_id}:{message.id}"),
+            ("destination", _reply_destination(message.address)),
+            ("ack", f"{consumer_id}:{delivery.tag}"),
+            ("persistent", "true" if message.persistent else "false"),
+            ("priority", str(message.priority)),
+            ("redelivered", "true" if redelivered else "false"),
+            ("hafailover-delivery-count", str(delivery.delivery_count)),
+        ]
+        if message.expiration is not None:
+            own.append(("expires", str(int(message.expiration * 1000))))
+        block = b"".join(encode_header(k, v) for k, v in own)
+        user = b"".join(
+            encode_header(k, v) for k, v in message.headers.items() if k != "content-length"
+        )
+        self._write(encode_message(message.body, block, user))
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def _error(self, message: str, *, receipt: str | None = None) -> None:
+        """Send an ERROR frame that names the problem, then close (STOMP 1.2)."""
+        if self._closing:
+            return
+        headers = [("message", message[:1000]), ("content-type", "text/plain")]
+        if receipt is not None:
+            headers.append(("receipt-id", receipt))
+        log.info("stomp error to %s: %s", self.peer, message)
+        self._write(encode(Frame("ERROR", tuple(headers), message.encode())))
+        # An ERROR ends the session: it is not held for reattach.
+        self._explicit_disconnect = True
+        self._close()
+
+    def _close(self) -> None:
+        self._closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _connect_timeout(self) -> None:
+        if self.session is None:
+            self._error("no CONNECT frame within 30 seconds")
+
+    async def _heartbeat(self, send_every: float, expect_every: float) -> None:
+        period = min(p for p in (send_every, expect_every) if p > 0) / 2
+        last_sent = time.monotonic()
+        while not self._closing:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            if send_every and now - last_sent >= send_every * 0.9:
+                self._write(b"\n")
+                last_sent = now
+            if expect_every and now - self._last_received > expect_every * 2:
+                log.info("stomp client %s silent past its heart-beat: closing", self.peer)
+                self._close()
+                return
+
+
+def _int_header(frame: Frame, name: str, default: int) -> int:
+    value = frame.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequestError(f"header {name} must be a whole number, not {value!r}") from None
+
+
+def _parse_ack_id(ack_id: str) -> tuple[int, int]:
+    consumer, _, tag = ack_id.partition(":")
+    try:
+        return int(consumer), int(tag)
+    except ValueError:
+        raise InvalidRequestError(f"unknown ack id {ack_id!r}") from None
+
+
+async def serve_stomp(core: BrokerCore, host: str, port: int) -> asyncio.Server:
+    """Listen for STOMP clients."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: StompConnection(core), host, port, reuse_address=True)
