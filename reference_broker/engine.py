@@ -603,6 +603,7 @@ class Engine:
             self._consumers[consumer_id].paused = True
 
     def resume_connection(self, connection_id: int) -> None:
+        """Dispatch to the connection's consumers again (the client reattached)."""
         for consumer_id in self._connection(connection_id).consumers:
             consumer = self._consumers[consumer_id]
             consumer.paused = False
@@ -610,14 +611,14 @@ class Engine:
 
     def tick(self, now: float) -> list[str]:
         """Delete held temporary queues whose hold has passed; returns their names."""
-        expired = [
+        ended = [
             name
             for name, q in self._held.items()
             if q.hold_until is not None and q.hold_until <= now
         ]
-        for name in expired:
+        for name in ended:
             self._delete_queue(self._held[name])
-        return expired
+        return ended
 
     # --- addresses --------------------------------------------------------------------------
 
@@ -678,6 +679,7 @@ class Engine:
         self._delete_queue(queue)
 
     def queues(self) -> list[str]:
+        """Every queue's name: queues, subscriptions, temporary queues (held ones too)."""
         return list(self._queues)
 
     def browse(self, name: str) -> list[Message]:
@@ -703,7 +705,9 @@ class Engine:
 
         A `queue://` address is created on first use (auto_create_queues); a topic without
         subscriptions drops the message; an unknown temporary queue is UnknownAddressError.
-        Inside a transaction the message is held until commit.
+        Inside a transaction the message is routed now but held until commit; an id already
+        in the cache drops it at once, one that enters the cache before the commit drops it
+        there (`commit` returns how many).
         """
         if not 0 <= priority <= MAX_PRIORITY:
             raise InvalidRequestError(f"priority must be 0-{MAX_PRIORITY}, not {priority}")
@@ -913,6 +917,7 @@ class Engine:
         self._dirty.add(consumer.queue)
 
     def add_credit(self, consumer_id: int, credit: int) -> None:
+        """Give the consumer more credit (unlimited stays unlimited)."""
         if credit < 0:
             raise InvalidRequestError(f"credit to add must not be negative, not {credit}")
         consumer = self._consumer(consumer_id)
@@ -931,6 +936,7 @@ class Engine:
         return left
 
     def set_window(self, consumer_id: int, window: int | None) -> None:
+        """Change how many unsettled deliveries the consumer may hold; None is unlimited."""
         if window is not None and window < 1:
             raise InvalidRequestError(f"window must be at least 1 or None, not {window}")
         consumer = self._consumer(consumer_id)
@@ -986,7 +992,8 @@ class Engine:
             entry = self._take(queue, now)
             if entry is None:
                 break
-            consumer.credit -= 1
+            if consumer.credit != _UNLIMITED:
+                consumer.credit -= 1
             tag = self._next_tag
             self._next_tag = tag + 1
             message = entry.message
