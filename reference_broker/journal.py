@@ -84,6 +84,8 @@ from typing import BinaryIO, ClassVar, NamedTuple, Self
 
 import attrs
 
+from reference_broker._files import sync_directory
+
 __all__ = [
     "DEFAULT_SEGMENT_SIZE",
     "MAX_PAYLOAD",
@@ -430,15 +432,6 @@ def _flush_to_disk(fd: int) -> None:
         os.fsync(fd)
 
 
-def _sync_directory(directory: Path) -> None:
-    # Makes creates, renames and deletes durable; a file's own fsync does not cover its name.
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _lock_directory(directory: Path) -> int:
     fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -538,7 +531,7 @@ class Journal:
         if not path.is_dir():
             path.mkdir(parents=True)
             if sync.durable:
-                _sync_directory(path.parent)  # or a crash can lose the new directory itself
+                sync_directory(path.parent)  # or a crash can lose the new directory itself
         lock_fd = _lock_directory(path)
         try:
             return cls._recover(path, segment_size, sync, lock_fd, salvage=salvage)
@@ -601,7 +594,7 @@ class Journal:
             if scan.problem is not None:
                 break
         if salvaged:
-            _sync_directory(directory)
+            sync_directory(directory)
 
         next_number = found[-1][0] + 1 if found else 1
         if segments:
@@ -815,7 +808,7 @@ class Journal:
                 segment.path.unlink()
                 self._segments.remove(segment)
                 if durable:
-                    _sync_directory(self._directory)
+                    sync_directory(self._directory)
                 deleted.append(segment.number)
                 reclaimed += segment.size
             elif len(live) < len(records) and rewrite_below > 0.0:
@@ -840,7 +833,7 @@ class Journal:
                 temp.unlink()
             raise
         if durable:
-            _sync_directory(self._directory)
+            sync_directory(self._directory)
         reclaimed = segment.size - len(data)
         segment.size = len(data)
         segment.count = len(live)
@@ -948,7 +941,7 @@ def _create_segment(
             _flush_to_disk(file.fileno())
         temp.rename(path)  # the open handle follows the file
         if durable:
-            _sync_directory(directory)
+            sync_directory(directory)
     except BaseException:
         file.close()
         with contextlib.suppress(OSError):

@@ -43,6 +43,7 @@ from typing import Any
 
 import attrs
 
+from reference_broker._files import replace_atomically
 from reference_broker.amqp.server import AmqpConnection
 from reference_broker.core import BrokerCore, ServeConfig
 from reference_broker.engine import Engine, EngineConfig
@@ -559,19 +560,7 @@ def _sync_policy(name: str) -> SyncPolicy:
 
 
 def _write_json(path: Path, value: dict[str, Any], *, durable: bool = False) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(value))
-        if durable:
-            handle.flush()
-            os.fsync(handle.fileno())
-    tmp.replace(path)
-    if durable:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    replace_atomically(path, json.dumps(value).encode(), durable=durable)
 
 
 def build_parser() -> argparse.ArgumentParser:

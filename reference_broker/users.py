@@ -18,6 +18,8 @@ import hmac
 import os
 from pathlib import Path
 
+from reference_broker._files import replace_atomically
+
 __all__ = ["UsersFile", "UsersFileError", "hash_password"]
 
 _SCHEME = "pbkdf2-sha256"
@@ -84,10 +86,8 @@ class UsersFile:
 
     def save(self, path: Path) -> None:
         lines = [f"{name}:{stored}" for name, stored in sorted(self._users.items())]
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        os.chmod(tmp, 0o600)
-        tmp.replace(path)
+        text = "\n".join(lines) + "\n"
+        replace_atomically(path, text.encode("utf-8"), durable=True, mode=0o600)
 
     def add(self, name: str, password: str) -> None:
         if not name or ":" in name or any(c.isspace() for c in name):

@@ -68,6 +68,8 @@ from typing import Any, ClassVar, Literal
 
 import attrs
 
+from reference_broker._files import sync_directory
+
 __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_LEASE",
@@ -734,28 +736,43 @@ class Witness:
         )
         return Decision(Outcome.RENEWED, "renewed", state=_state(claim, record), lease=new)
 
-    def _hand_over(
-        self, from_node: str, activation: int, to_node: str, addrs: tuple[str, ...], at: float
-    ) -> _Op:
+    def _holder_steps(
+        self, node_id: str, activation: int, released: str
+    ) -> Generator[str, None, Decision | tuple[_Claim, _LeaseRecord | None, float]]:
+        """The checks a holder's hand-over and release share, one file-system step each.
+
+        Returns FENCED when ``node_id`` no longer holds ``activation`` (or released it, in
+        which case the reason says ``released``), else the claim, its lease and the bound
+        below which older leases may still be served.
+        """
         try:
             claim = self._read_claim(activation)
             yield f"read activation-{activation}"
-            problem = self._not_holder(claim, from_node, activation)
+            problem = self._not_holder(claim, node_id, activation)
             if problem is not None:
                 return _fenced(problem)
             assert claim is not None
             lease = self._read_lease(activation)
             yield f"read lease-{activation}"
             if lease is not None and lease.released:
-                return _fenced(f"{from_node} released activation {activation}")
+                return _fenced(f"{node_id} {released} activation {activation}")
             superseded = self._superseded(activation)
             yield f"looked for claims above {activation}"
             if superseded:
                 return _fenced(_superseded_reason(activation))
-            # The giver has stopped serving: only leases older than its own may still run.
             not_before = yield from self._prior_bound(claim, lease)
         except WitnessError as exc:
             return _fenced(str(exc))
+        return claim, lease, not_before
+
+    def _hand_over(
+        self, from_node: str, activation: int, to_node: str, addrs: tuple[str, ...], at: float
+    ) -> _Op:
+        # The giver has stopped serving: only leases older than its own may still run.
+        held = yield from self._holder_steps(from_node, activation, "released")
+        if isinstance(held, Decision):
+            return held
+        claim, lease, not_before = held
         granted = max(at, lease.renewed_at if lease is not None else claim.granted_at)
         target = activation + 1
         new = self._new_claim(
@@ -769,24 +786,10 @@ class Witness:
         return Decision(Outcome.HANDED_OVER, why, state=_state(new, None))
 
     def _release(self, node_id: str, activation: int, at: float) -> _Op:
-        try:
-            claim = self._read_claim(activation)
-            yield f"read activation-{activation}"
-            problem = self._not_holder(claim, node_id, activation)
-            if problem is not None:
-                return _fenced(problem)
-            assert claim is not None
-            lease = self._read_lease(activation)
-            yield f"read lease-{activation}"
-            if lease is not None and lease.released:
-                return _fenced(f"{node_id} already released activation {activation}")
-            superseded = self._superseded(activation)
-            yield f"looked for claims above {activation}"
-            if superseded:
-                return _fenced(_superseded_reason(activation))
-            not_before = yield from self._prior_bound(claim, lease)
-        except WitnessError as exc:
-            return _fenced(str(exc))
+        held = yield from self._holder_steps(node_id, activation, "already released")
+        if isinstance(held, Decision):
+            return held
+        claim, lease, not_before = held
         previous = lease.renewed_at if lease is not None else claim.granted_at
         record = self._new_lease(activation, max(previous, at), not_before, released=True)
         self._write_lease(record)
@@ -938,7 +941,7 @@ class Witness:
         finally:
             temp.unlink(missing_ok=True)
         if self._durable:
-            _sync_directory(self._dir)  # an activation number must never be reused
+            sync_directory(self._dir)  # an activation number must never be reused
         return True
 
     def _write_lease(self, record: _LeaseRecord) -> None:
@@ -966,7 +969,7 @@ class Witness:
         finally:
             os.close(fd)
         if self._durable:
-            _sync_directory(self._dir)
+            sync_directory(self._dir)
 
     def _housekeep(self, activation: int) -> None:
         """Best effort, by the holder of `activation`: delete the files of activations below
@@ -1332,12 +1335,3 @@ def _process_runs(pid: int) -> bool:
     # "pid (comm) S ...": comm may hold spaces and parentheses, so split at the last ")".
     # A zombie has exited and keeps its pid until reaped, so no other process can have it.
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
-
-
-def _sync_directory(directory: Path) -> None:
-    # Makes a new name durable; a file's own fsync does not cover its name.
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
