@@ -4,6 +4,7 @@ The public surface is what ``__all__`` names; every module behind it may change.
 """
 
 from hafailover.ack_modes import AckMode, LinkReliability
+from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     AcknowledgeFailedError,
     BrowserInvalidatedError,
@@ -27,6 +28,7 @@ from hafailover.errors import (
     TransactionRolledBackError,
     UnblockedError,
 )
+from hafailover.message import Message
 from hafailover.report import FailoverReport, SessionFailover
 from hafailover.url import BrokerAddress, FailoverMethod, FailoverPolicy, Protocol, parse_url
 
@@ -40,6 +42,8 @@ __all__ = [
     "CallTimeoutError",
     "ConfigurationError",
     "ConnectionClosedError",
+    "Destination",
+    "DestinationKind",
     "DisconnectedError",
     "ErrorCode",
     "FailoverMethod",
@@ -51,6 +55,7 @@ __all__ = [
     "InvalidURLError",
     "LinkReliability",
     "LocalError",
+    "Message",
     "MessageTooLargeError",
     "NotConnectedError",
     "Protocol",
@@ -63,5 +68,6 @@ __all__ = [
     "TransactionRolledBackError",
     "UnblockedError",
     "__version__",
+    "parse_destination",
     "parse_url",
 ]

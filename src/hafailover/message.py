@@ -1,0 +1,129 @@
+"""The message an application sends and receives, the same on both protocols.
+
+A ``Message`` is built by the application (body, properties, delivery options) and
+filled in by hafailover: ``message_id`` at the first send (it doubles as the duplicate id
+of a persistent send, DESIGN.md F13, so re-sending the same message object after an
+unknown outcome or a rolled-back transaction stores it once), and the delivery fields on
+receipt. Bad input is refused when the message is built, naming what was wrong.
+Pure: no I/O; acknowledging a received message goes through the session that set its
+``delivery`` token.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from typing import Any, Final, TypeAlias
+
+import attrs
+
+from hafailover.destination import Destination, parse_destination
+from hafailover.errors import ConfigurationError, IllegalStateError
+
+__all__ = ["Message", "PropertyValue", "new_message_id"]
+
+PropertyValue: TypeAlias = str | int | float | bool
+# Bytes a message costs beyond its body and properties when sizing the confirmation window.
+FRAME_OVERHEAD: Final = 128
+_PROPERTY_TYPES: Final = (str, int, float, bool)
+
+
+def new_message_id() -> str:
+    """A message id unique across clients and restarts."""
+    return f"ID:{uuid.uuid4()}"
+
+
+def _check_body(instance: Message, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bytes | str):
+        raise ConfigurationError(f"a message body must be bytes or str, not {type(value).__name__}")
+
+
+def _check_properties(
+    instance: Message, attribute: attrs.Attribute[Any], value: Mapping[str, Any]
+) -> None:
+    for name, item in value.items():
+        if not isinstance(name, str) or not name or any(c in name for c in "\x00\n\r"):
+            raise ConfigurationError(
+                f"property name {name!r} must be a non-empty string without NUL or line breaks"
+            )
+        if not isinstance(item, _PROPERTY_TYPES):
+            raise ConfigurationError(
+                f"property {name!r} has a {type(item).__name__} value; "
+                "allowed: str, int, float, bool"
+            )
+        if isinstance(item, str) and "\x00" in item:
+            raise ConfigurationError(f"property {name!r} may not hold NUL")
+
+
+def _check_priority(instance: Message, attribute: attrs.Attribute[Any], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 9:
+        raise ConfigurationError(f"priority must be a whole number from 0 to 9, not {value!r}")
+
+
+def _check_ttl(instance: Message, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"time_to_live must be seconds or None, not {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"time_to_live must be a positive number of seconds, not {value}")
+
+
+def _to_destination(value: str | Destination | None) -> Destination | None:
+    return None if value is None else parse_destination(value)
+
+
+@attrs.define(eq=False)
+class Message:
+    """One message. Build it with a body and options; read the rest after a receive."""
+
+    body: bytes | str = attrs.field(default=b"", validator=_check_body)
+    properties: dict[str, PropertyValue] = attrs.field(
+        factory=dict, converter=dict, validator=_check_properties
+    )
+    persistent: bool = True
+    priority: int = attrs.field(default=4, validator=_check_priority)
+    time_to_live: float | None = attrs.field(default=None, validator=_check_ttl)
+    correlation_id: str | None = None
+    reply_to: Destination | None = attrs.field(default=None, converter=_to_destination)
+    message_id: str | None = None
+
+    # Filled in on receipt.
+    destination: Destination | None = None
+    redelivered: bool = False
+    delivery_count: int = 0
+    # The session's handle for acknowledge(); None on a message built by the application.
+    delivery: Any = attrs.field(default=None, repr=False)
+    _acknowledger: Any = attrs.field(default=None, repr=False, alias="acknowledger")
+
+    @property
+    def body_bytes(self) -> bytes:
+        return self.body.encode("utf-8") if isinstance(self.body, str) else self.body
+
+    @property
+    def text(self) -> str:
+        """The body as text (UTF-8)."""
+        return self.body if isinstance(self.body, str) else self.body.decode("utf-8")
+
+    def size(self) -> int:
+        """Bytes this message weighs in the confirmation window (an estimate of its frame)."""
+        total = len(self.body_bytes) + FRAME_OVERHEAD
+        for name, value in self.properties.items():
+            total += len(name) + len(str(value)) + 2
+        return total
+
+    def ensure_message_id(self) -> str:
+        """Give the message an id at its first send and keep it for every later one."""
+        if self.message_id is None:
+            self.message_id = new_message_id()
+        return self.message_id
+
+    def acknowledge(self) -> None:
+        """CLIENT acknowledge modes: acknowledge this message (and, in CLIENT mode, every
+        message its session delivered before it)."""
+        if self._acknowledger is None:
+            raise IllegalStateError(
+                "this message was built here, not received: there is nothing to acknowledge"
+            )
+        self._acknowledger(self)
