@@ -70,6 +70,11 @@ def _check_ttl(instance: Message, attribute: attrs.Attribute[Any], value: float 
         raise ConfigurationError(f"time_to_live must be a positive number of seconds, not {value}")
 
 
+def _to_properties(value: Mapping[str, PropertyValue]) -> dict[str, PropertyValue]:
+    # A copy: the application may go on changing the mapping it passed in.
+    return dict(value)
+
+
 def _to_destination(value: str | Destination | None) -> Destination | None:
     return None if value is None else parse_destination(value)
 
@@ -80,7 +85,7 @@ class Message:
 
     body: bytes | str = attrs.field(default=b"", validator=_check_body)
     properties: dict[str, PropertyValue] = attrs.field(
-        factory=dict, converter=dict, validator=_check_properties
+        factory=dict, converter=_to_properties, validator=_check_properties
     )
     persistent: bool = True
     priority: int = attrs.field(default=4, validator=_check_priority)

@@ -1,0 +1,320 @@
+"""One STOMP 1.2 connection to one broker, on stomp.py.
+
+This adapter owns the translation between hafailover's values and stomp.py: it opens a
+connection to a single broker (asking for the reattach and topology extensions,
+docs/protocol-reattach.md, docs/protocol-topology.md), writes frames, turns the frames
+stomp.py receives into events for the driver, and maps stomp.py's exceptions to ours in
+one place (``_map_errors``). It never retries, reconnects or fails over: stomp.py's own
+reconnection is switched off, and the driver decides what a lost connection means.
+
+Events are called on stomp.py's receiver thread; the driver must not block in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, Protocol
+
+import attrs
+import stomp
+import stomp.exception
+
+from hafailover.destination import Destination, parse_destination
+from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
+from hafailover.message import Message, PropertyValue
+from hafailover.url import BrokerAddress
+
+__all__ = ["Opened", "StompEvents", "StompTransport"]
+
+DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
+CONFIRM_PREFIX: Final = "hafailover-confirm:"
+# Headers the broker or this adapter interpret; the rest are the message's properties.
+_RESERVED: Final = frozenset(
+    {
+        "destination", "message-id", "subscription", "ack", "content-length", "persistent",
+        "priority", "expires", "redelivered", "correlation-id", "reply-to", "receipt",
+        "transaction", "hafailover-delivery-count", "content-type", DUPLICATE_ID,
+    }
+)  # fmt: skip
+
+
+@attrs.frozen
+class Opened:
+    """What the broker said when the connection opened."""
+
+    broker: BrokerAddress
+    session_id: str | None  # for a later reattach; None when the broker lacks the extension
+    resumed: bool  # the broker still held the session asked for (reattach)
+    last_received: int  # with resumed: the last command id the broker received
+    topology: tuple[tuple[str, int], ...]  # announced client addresses, empty if none
+    reattach_refused: bool = False  # a reattach was asked for and the session is gone
+
+
+class StompEvents(Protocol):
+    """What the driver hears from one transport (called on stomp.py's receiver thread)."""
+
+    def on_message(self, subscription: str, ack_id: str, message: Message) -> None: ...
+
+    def on_receipt(self, receipt_id: str) -> None: ...
+
+    def on_confirmed(self, upto: int) -> None: ...
+
+    def on_error(self, error: ProtocolError) -> None: ...
+
+    def on_lost(self, reason: str) -> None: ...
+
+
+@contextlib.contextmanager
+def _map_errors(broker: BrokerAddress) -> Iterator[None]:
+    """stomp.py's exceptions become ours, here and nowhere else."""
+    try:
+        yield
+    except stomp.exception.ConnectFailedException as exc:
+        raise NotConnectedError(f"cannot connect to {broker.redacted()}") from exc
+    except stomp.exception.NotConnectedException as exc:
+        raise NotConnectedError(f"not connected to {broker.redacted()}") from exc
+    except OSError as exc:
+        raise NotConnectedError(f"{broker.redacted()}: {exc}") from exc
+
+
+def _parse_topology(value: str | None) -> tuple[tuple[str, int], ...]:
+    endpoints: list[tuple[str, int]] = []
+    for item in (value or "").split(","):
+        host, _, port = item.strip().rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if host and port.isdigit():
+            endpoints.append((host, int(port)))
+    return tuple(endpoints)
+
+
+def message_from_frame(headers: Mapping[str, str], body: bytes) -> Message:
+    """A received MESSAGE frame as a Message."""
+    properties: dict[str, PropertyValue] = {k: v for k, v in headers.items() if k not in _RESERVED}
+    reply_to = headers.get("reply-to")
+    destination = headers.get("destination")
+    priority = headers.get("priority", "4")
+    return Message(
+        body=body,
+        properties=properties,
+        persistent=headers.get("persistent", "false") == "true",
+        priority=int(priority) if priority.isdigit() and int(priority) <= 9 else 4,
+        correlation_id=headers.get("correlation-id"),
+        reply_to=_destination_or_none(reply_to),
+        message_id=headers.get("message-id"),
+        destination=_destination_or_none(destination),
+        redelivered=headers.get("redelivered", "false") == "true",
+        delivery_count=int(headers.get("hafailover-delivery-count", "0") or 0),
+    )
+
+
+def _destination_or_none(text: str | None) -> Destination | None:
+    if not text:
+        return None
+    try:
+        return parse_destination(text)
+    except ValueError:
+        return None  # a broker-specific form this client does not model
+
+
+def send_headers(
+    message: Message, *, duplicate_detection: bool, now: float | None = None
+) -> dict[str, str]:
+    """The SEND headers for a message (its id is given here if it has none yet)."""
+    headers: dict[str, str] = {str(k): _header_value(v) for k, v in message.properties.items()}
+    headers["persistent"] = "true" if message.persistent else "false"
+    headers["priority"] = str(message.priority)
+    if message.time_to_live is not None:
+        expires = (time.time() if now is None else now) + message.time_to_live
+        headers["expires"] = str(int(expires * 1000))
+    if message.correlation_id is not None:
+        headers["correlation-id"] = message.correlation_id
+    if message.reply_to is not None:
+        headers["reply-to"] = message.reply_to.stomp
+    message_id = message.ensure_message_id()
+    if message.persistent and duplicate_detection:
+        headers[DUPLICATE_ID] = message_id
+    return headers
+
+
+def _header_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
+    """stomp.py's callbacks, turned into the transport's events."""
+
+    def __init__(self, transport: StompTransport) -> None:
+        self._transport = transport
+
+    def on_connected(self, frame: Any) -> None:
+        self._transport._connected(dict(frame.headers))
+
+    def on_message(self, frame: Any) -> None:
+        headers = dict(frame.headers)
+        body = frame.body if isinstance(frame.body, bytes) else str(frame.body).encode()
+        self._transport.events.on_message(
+            headers.get("subscription", ""),
+            headers.get("ack", ""),
+            message_from_frame(headers, body),
+        )
+
+    def on_receipt(self, frame: Any) -> None:
+        receipt = frame.headers.get("receipt-id", "")
+        if receipt.startswith(CONFIRM_PREFIX):
+            with contextlib.suppress(ValueError):
+                self._transport.events.on_confirmed(int(receipt[len(CONFIRM_PREFIX) :]))
+            return
+        self._transport.events.on_receipt(receipt)
+
+    def on_error(self, frame: Any) -> None:
+        message = frame.headers.get("message", "") or str(frame.body)
+        self._transport._failed(message)
+
+    def on_disconnected(self) -> None:
+        self._transport._lost("connection closed")
+
+    def on_heartbeat_timeout(self) -> None:
+        self._transport._lost("heart-beat timeout")
+
+
+class StompTransport:
+    """A single STOMP connection; ``open`` blocks until CONNECTED or failure."""
+
+    def __init__(
+        self,
+        events: StompEvents,
+        *,
+        heartbeat: float = 1.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.events = events
+        self.heartbeat = heartbeat
+        self.connect_timeout = connect_timeout
+        self.broker: BrokerAddress | None = None
+        self._connection: stomp.Connection12 | None = None
+        self._connected_headers: dict[str, str] | None = None
+        self._error: str | None = None
+        self._opened = threading.Event()
+        self._closed = False
+        self._lost_reported = False
+        self._lock = threading.Lock()
+
+    def open(
+        self,
+        broker: BrokerAddress,
+        *,
+        reattach: str | None = None,
+        window: int = -1,
+        connection_ttl: float | None = None,
+    ) -> Opened:
+        """Connect and log in; ask to reattach to session ``reattach`` if given."""
+        self.broker = broker
+        ms = int(self.heartbeat * 1000)
+        connection = stomp.Connection12(
+            [(broker.host, broker.port)],
+            heartbeats=(ms, ms),
+            reconnect_attempts_max=1,
+            timeout=self.connect_timeout,
+            auto_decode=False,
+            # The host header names a virtual host on RabbitMQ; "/" is its default one and
+            # brokers without virtual hosts ignore the header.
+            vhost="/",
+        )
+        if broker.tls:
+            connection.set_ssl([(broker.host, broker.port)])
+        connection.set_listener("hafailover", _Listener(self))
+        self._connection = connection
+        headers: dict[str, str] = {}
+        if window > 0:
+            headers["hafailover-window"] = str(window)
+            ttl_ms = 0 if connection_ttl is None else int(connection_ttl * 1000)
+            headers["hafailover-ttl"] = str(ttl_ms if connection_ttl is not None else 2**31 - 1)
+        if reattach is not None:
+            headers["hafailover-reattach"] = reattach
+        with _map_errors(broker):
+            connection.connect(broker.user, broker.password, wait=False, headers=headers)
+        if not self._opened.wait(self.connect_timeout):
+            self.abort()
+            raise NotConnectedError(
+                f"{broker.redacted()} did not answer CONNECT within {self.connect_timeout}s"
+            )
+        if self._error is not None:
+            error = self._error
+            self.abort()
+            if "authentication" in error.lower() or "access refused" in error.lower():
+                raise SecurityError(f"{broker.redacted()} refused the login: {error}")
+            raise NotConnectedError(f"{broker.redacted()} refused the connection: {error}")
+        connected = self._connected_headers or {}
+        resumed = "hafailover-last-received" in connected
+        return Opened(
+            broker=broker,
+            session_id=connected.get("hafailover-session"),
+            resumed=resumed,
+            last_received=int(connected.get("hafailover-last-received", "-1")),
+            topology=_parse_topology(connected.get("hafailover-topology")),
+            reattach_refused=connected.get("hafailover-reattach") == "refused",
+        )
+
+    def write(self, command: str, headers: Mapping[str, str], body: bytes = b"") -> int:
+        """Write one frame; return its size in bytes (for the confirmation window)."""
+        connection = self._connection
+        if connection is None or self.broker is None:
+            raise NotConnectedError("the transport is not open")
+        with _map_errors(self.broker):
+            connection.send_frame(command, dict(headers), body)
+        return len(body) + sum(len(k) + len(v) + 2 for k, v in headers.items()) + len(command) + 4
+
+    def close(self) -> None:
+        """Say goodbye (DISCONNECT) and close; the session ends on the broker."""
+        self._closed = True
+        connection = self._connection
+        if connection is not None:
+            with contextlib.suppress(Exception):  # closing: stomp.py's errors no longer matter
+                connection.disconnect()
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the socket without DISCONNECT (a reattachable session stays held)."""
+        self._closed = True
+        connection = self._connection
+        if connection is not None:
+            # Close the socket first: stomp.py's stop() waits for its receiver thread, which
+            # only ends once its recv() returns.
+            with contextlib.suppress(Exception):
+                connection.transport.disconnect_socket()
+            with contextlib.suppress(Exception):
+                connection.transport.stop()
+
+    # --- from the listener ------------------------------------------------------------------
+
+    def _connected(self, headers: dict[str, str]) -> None:
+        self._connected_headers = headers
+        self._opened.set()
+
+    def _failed(self, message: str) -> None:
+        if not self._opened.is_set():
+            self._error = message
+            self._opened.set()
+            return
+        self.events.on_error(ProtocolError(f"{self._broker_text()}: {message}"))
+
+    def _lost(self, reason: str) -> None:
+        with self._lock:
+            if self._lost_reported:
+                return
+            self._lost_reported = True
+        if not self._opened.is_set():
+            self._error = self._error or reason
+            self._opened.set()
+            return
+        if not self._closed:
+            self.events.on_lost(f"{self._broker_text()}: {reason}")
+
+    def _broker_text(self) -> str:
+        return self.broker.redacted() if self.broker is not None else "broker"
