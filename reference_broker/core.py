@@ -59,6 +59,11 @@ class ServeConfig:
     default_prefetch: int = 1000
 
 
+def _log_failure(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("a batch was not confirmed: %s", future.exception())
+
+
 class BrokerCore:
     """One active node's engine, store, users and connections."""
 
@@ -95,7 +100,10 @@ class BrokerCore:
         self.dispatch()
         records = self.engine.drain_records()
         if records:
-            self.store.persist([r.encode() for r in records])
+            # Nobody waits on this batch (receipts wait on durable()), but a failure must
+            # still be looked at, or asyncio reports it as never retrieved.
+            future = self.store.persist([r.encode() for r in records])
+            future.add_done_callback(_log_failure)
 
     def dispatch(self) -> None:
         targets = self._targets

@@ -14,11 +14,15 @@ Rules this module enforces:
 - Heart-beats both ways: the server sends EOLs at the negotiated period and closes a
   connection that stays silent for twice the period it asked for.
 - Destinations: ``/queue/x``, ``/topic/x``, ``/temp-queue/x`` and the ``queue://x`` forms.
-  Temporary queues get names unique to the session, kept across a reattach or reconnect.
+  Temporary queues get broker-wide names unique to the session; they live as long as the
+  session, a reattach included (a reconnect is a new session with new queues).
 - Duplicate detection: a SEND carrying ``_AMQ_DUPL_ID`` that the address has seen is
   dropped and still acknowledged with its receipt (DESIGN F13).
-- Flow control: a slow reader pauses its consumers while the socket's buffer is full, so
-  the broker never buffers without bound for one client.
+- Flow control: a client-acknowledge subscription holds at most its prefetch (1000 unless
+  it asks otherwise), and a slow reader pauses its consumers while the socket's buffer is
+  full. Known limit: an ``ack:auto`` subscription is settled as it is dispatched, so
+  everything queued when it subscribes can be handed to one slow reader in a single turn
+  (and is lost if it then disconnects, as ``ack:auto`` allows).
 
 It never touches the journal or the replication link: durability is the core's business.
 """
