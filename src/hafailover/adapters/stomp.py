@@ -18,10 +18,10 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Protocol
 
-import attrs
 import stomp
 import stomp.exception
 
+from hafailover.adapters.base import Opened, parse_topology
 from hafailover.destination import Destination, parse_destination
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue
@@ -39,18 +39,6 @@ _RESERVED: Final = frozenset(
         "transaction", "hafailover-delivery-count", "content-type", DUPLICATE_ID,
     }
 )  # fmt: skip
-
-
-@attrs.frozen
-class Opened:
-    """What the broker said when the connection opened."""
-
-    broker: BrokerAddress
-    session_id: str | None  # for a later reattach; None when the broker lacks the extension
-    resumed: bool  # the broker still held the session asked for (reattach)
-    last_received: int  # with resumed: the last command id the broker received
-    topology: tuple[tuple[str, int], ...]  # announced client addresses, empty if none
-    reattach_refused: bool = False  # a reattach was asked for and the session is gone
 
 
 class StompEvents(Protocol):
@@ -78,17 +66,6 @@ def _map_errors(broker: BrokerAddress) -> Iterator[None]:
         raise NotConnectedError(f"not connected to {broker.redacted()}") from exc
     except OSError as exc:
         raise NotConnectedError(f"{broker.redacted()}: {exc}") from exc
-
-
-def _parse_topology(value: str | None) -> tuple[tuple[str, int], ...]:
-    endpoints: list[tuple[str, int]] = []
-    for item in (value or "").split(","):
-        host, _, port = item.strip().rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        if host and port.isdigit():
-            endpoints.append((host, int(port)))
-    return tuple(endpoints)
 
 
 def message_from_frame(headers: Mapping[str, str], body: bytes) -> Message:
@@ -257,7 +234,7 @@ class StompTransport:
             session_id=connected.get("hafailover-session"),
             resumed=resumed,
             last_received=int(connected.get("hafailover-last-received", "-1")),
-            topology=_parse_topology(connected.get("hafailover-topology")),
+            topology=parse_topology(connected.get("hafailover-topology")),
             reattach_refused=connected.get("hafailover-reattach") == "refused",
         )
 

@@ -1,0 +1,1442 @@
+"""One AMQP 1.0 connection to one broker, on python-qpid-proton's reactor.
+
+This adapter owns the translation between hafailover's values and proton's: it opens one
+connection with one session to a single broker (SASL PLAIN, TLS for ``amqps``), reads the
+topology the broker announces (docs/protocol-topology.md), keeps a sender link per address,
+a receiver link per subscription and the transaction coordinator link, turns what proton
+reports into events for the driver, and maps proton's exceptions and error conditions to
+ours in one place (the "errors" section below). It never retries, reconnects or fails over
+(proton's own reconnect is off; the driver decides what a loss means), never waits for a
+settlement it was not asked to wait for, and never hands a proton object to its caller.
+
+Addresses are written ``queue://x`` and ``topic://x`` (DESIGN section 3), except on RabbitMQ
+(known by the product its Open names), whose AMQP 1.0 plugin wants ``/queue/x`` and
+``/topic/x``; a temporary queue keeps the address the broker gave it. Every link lives on
+the one session: a broker that ends it (RabbitMQ 3.10 does on a transaction or a dynamic
+node, which it does not implement) has ended the connection's use, and that is reported as
+a loss, while the call that asked gets the broker's refusal (ProtocolError).
+
+Threading model
+---------------
+Every proton object belongs to one thread, the reactor thread, which runs a
+``proton.reactor.Container`` for this connection alone. Application threads never touch
+proton: a call becomes a command in a queue guarded by a lock, and the reactor is woken
+through proton's ``EventInjector`` (a pipe in its select loop) with one ``ApplicationEvent``.
+A wake-up is only written when none is pending, and one wake-up runs every queued command,
+so a burst of sends costs one wake-up and goes out as pipelined transfers in the next write.
+Messages are encoded on the calling thread (a proton ``Message`` is private to the thread
+that made it); the reactor only copies bytes into transfers.
+
+Calls that need the broker's answer (``open``, ``subscribe``, ``create_temporary_queue``,
+``declare``, ``discharge``) block the caller on a waiter the reactor completes, bounded by a
+timeout; the others return at once and their outcome arrives as an event. Events are called
+on the reactor thread: the driver must not block in them (a blocking call made from one
+raises IllegalStateError rather than deadlock), and a callback that raises is logged.
+
+The reactor thread ends with the connection: after ``close()`` or ``abort()``, or after a
+loss, which is reported once through ``on_lost``. Blocked calls are then released
+(UnblockedError, TransactionOutcomeUnknownError for a commit, ConnectionClosedError after
+close); sends still unsettled are in doubt and get no ``on_settled``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, Final, Generic, Protocol, TypeVar
+
+import attrs
+import proton
+from proton import (
+    Condition,
+    Connection,
+    Delivery,
+    Described,
+    Endpoint,
+    Event,
+    Link,
+    Receiver,
+    Sender,
+    Session,
+    SSLDomain,
+    Terminus,
+    symbol,
+    ulong,
+)
+from proton.handlers import IOHandler
+from proton.reactor import ApplicationEvent, Container, EventInjector
+
+from hafailover.adapters.base import Opened, parse_topology
+from hafailover.destination import Destination, DestinationKind, parse_destination
+from hafailover.errors import (
+    CallTimeoutError,
+    ConfigurationError,
+    ConnectionClosedError,
+    HaFailoverError,
+    IllegalStateError,
+    NotConnectedError,
+    ProtocolError,
+    RemoteError,
+    SecurityError,
+    TransactionOutcomeUnknownError,
+    UnblockedError,
+)
+from hafailover.message import Message, PropertyValue
+from hafailover.url import BrokerAddress
+
+__all__ = ["AmqpEvents", "AmqpTransaction", "AmqpTransport", "Outcome"]
+
+log = logging.getLogger(__name__)
+
+DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
+TOPOLOGY_PROPERTY: Final = symbol("hafailover-topology")
+_PRODUCT: Final = symbol("product")
+
+# Transaction performatives and delivery states (AMQP 1.0 part 4.5).
+_DECLARE: Final = symbol("amqp:declare:list")
+_DISCHARGE: Final = symbol("amqp:discharge:list")
+_LOCAL_TRANSACTIONS: Final = symbol("amqp:local-transactions")
+_DECLARED: Final = 0x33
+_TRANSACTIONAL_STATE: Final = 0x34
+_ACCEPTED: Final = 0x24
+_REJECTED: Final = 0x25
+_RELEASED: Final = 0x26
+_MODIFIED: Final = 0x27
+_OUTCOME_NAMES: Final = {
+    _ACCEPTED: "accepted",
+    _REJECTED: "rejected",
+    _RELEASED: "released",
+    _MODIFIED: "modified",
+    "amqp:accepted:list": "accepted",
+    "amqp:rejected:list": "rejected",
+    "amqp:released:list": "released",
+    "amqp:modified:list": "modified",
+}
+_UNAUTHORIZED: Final = "amqp:unauthorized-access"
+# The application event that wakes the reactor: _Handler.on_hafailover_amqp_work.
+_WORK: Final = "hafailover_amqp_work"
+_TEMP_QUEUE_PREFIX: Final = "temp-queue://"
+
+# How long a clean close waits for the broker's Close before dropping the socket.
+_CLOSE_GRACE: Final = 2.0
+# Delivery tokens are unique in the process, so a stale one never settles another delivery.
+_DELIVERY_TOKENS: Final = itertools.count(1)
+_TRANSPORT_SERIALS: Final = itertools.count(1)
+
+
+class Outcome(enum.Enum):
+    """How a received message is settled."""
+
+    ACCEPTED = "accepted"  # done with: the broker forgets it
+    RELEASED = "released"  # back to the queue, not counted as a failed attempt
+    REJECTED = "rejected"  # undeliverable: dead-lettered or dropped, as the broker does
+    MODIFIED = "modified"  # modified with delivery-failed: back to the queue, attempt counted
+
+
+@attrs.frozen
+class AmqpTransaction:
+    """A transaction declared on one connection (the broker's txn-id)."""
+
+    txn_id: bytes
+    transport: int  # serial of the transport that declared it: ids mean nothing elsewhere
+
+
+class AmqpEvents(Protocol):
+    """What the driver hears from one transport (called on the reactor thread)."""
+
+    def on_message(self, subscription: str, delivery: int, message: Message) -> None: ...
+
+    def on_settled(self, token: int, error: RemoteError | None) -> None: ...
+
+    def on_error(self, error: ProtocolError) -> None: ...
+
+    def on_lost(self, reason: str) -> None: ...
+
+
+# --- errors: proton's exceptions and conditions become ours, here and nowhere else -----------
+
+
+# What encoding a message can raise: a value AMQP cannot carry (a huge int, a lone surrogate).
+_ENCODING_ERRORS: Final = (
+    proton.MessageException,
+    proton.DataException,
+    OverflowError,
+    UnicodeError,
+)
+
+
+def _translate(exc: BaseException, broker: str) -> HaFailoverError:
+    if isinstance(exc, HaFailoverError):
+        return exc
+    if isinstance(exc, proton.SSLUnavailable):
+        return ConfigurationError(f"{broker}: amqps needs a proton built with TLS: {exc}")
+    if isinstance(exc, proton.SSLException):
+        return ConfigurationError(f"{broker}: TLS configuration refused: {exc}")
+    if isinstance(exc, _ENCODING_ERRORS):
+        return ConfigurationError(f"the message cannot be encoded for AMQP: {exc}")
+    if isinstance(exc, proton.Timeout):
+        return CallTimeoutError(f"{broker}: {exc}")
+    if isinstance(exc, proton.ConnectionException | proton.TransportException | OSError):
+        return NotConnectedError(f"{broker}: {exc}")
+    return ProtocolError(f"{broker}: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def _map_errors(broker: str) -> Iterator[None]:
+    try:
+        yield
+    except (proton.ProtonException, OSError, *_ENCODING_ERRORS) as exc:
+        raise _translate(exc, broker) from exc
+
+
+def _condition_text(condition: Condition | None) -> str:
+    if condition is None:
+        return "no reason given"
+    if condition.description:
+        return f"{condition.name}: {condition.description}"
+    return str(condition.name)
+
+
+# Conditions that refuse a request rather than report a failure of the broker or network.
+_REQUEST_REFUSED: Final = frozenset(
+    {
+        _UNAUTHORIZED,
+        "amqp:not-implemented",
+        "amqp:not-allowed",
+        "amqp:not-found",
+        "amqp:invalid-field",
+        "amqp:precondition-failed",
+        "amqp:decode-error",
+    }
+)
+
+
+def _refuses_request(condition: Condition | None) -> bool:
+    return condition is not None and condition.name in _REQUEST_REFUSED
+
+
+def _condition_error(condition: Condition | None, what: str) -> RemoteError:
+    """A request the broker refused, as our error."""
+    if condition is not None and condition.name == _UNAUTHORIZED:
+        return SecurityError(f"{what}: refused: {_condition_text(condition)}")
+    return ProtocolError(f"{what}: refused: {_condition_text(condition)}")
+
+
+def _refusal(condition: Condition | None, broker: str) -> RemoteError:
+    """Why an open failed: a refused login, or no connection."""
+    if condition is not None and condition.name == _UNAUTHORIZED:
+        return SecurityError(f"{broker} refused the login: {_condition_text(condition)}")
+    return NotConnectedError(f"cannot connect to {broker}: {_condition_text(condition)}")
+
+
+def _outcome_error(state: int, delivery: Delivery, what: str) -> ProtocolError | None:
+    """None for accepted; otherwise an error naming the outcome and the broker's reason."""
+    if state == _ACCEPTED:
+        return None
+    name = _OUTCOME_NAMES.get(state, f"state {state:#x}")
+    detail = ""
+    if state == _REJECTED:
+        detail = f": {_condition_text(delivery.remote.condition)}"
+    elif state == _MODIFIED:
+        remote = delivery.remote
+        detail = f" (delivery-failed={remote.failed}, undeliverable-here={remote.undeliverable})"
+    return ProtocolError(f"{what}: the broker {name} the message{detail}")
+
+
+# --- messages --------------------------------------------------------------------------------
+
+
+def _property_out(value: PropertyValue) -> PropertyValue:
+    # proton picks an encoder by exact type: str and int subclasses (enums) become plain ones.
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    return str(value)
+
+
+def encode_message(
+    message: Message, address: str, *, reply_to: str | None, duplicate_detection: bool
+) -> bytes:
+    """The AMQP encoding of ``message`` sent to ``address`` (its id is given here if it has
+    none yet: the message-id is the duplicate id on AMQP, DESIGN F13)."""
+    out = proton.Message()
+    if isinstance(message.body, str):
+        out.body = message.body  # an amqp-value string: a text message
+    else:
+        out.body = message.body
+        out.inferred = True  # a data section: a bytes message
+    out.durable = message.persistent
+    out.priority = message.priority
+    if message.time_to_live is not None:
+        out.ttl = message.time_to_live
+    message_id = message.ensure_message_id()
+    out.id = message_id
+    if message.correlation_id is not None:
+        out.correlation_id = message.correlation_id
+    if reply_to is not None:
+        out.reply_to = reply_to
+    out.address = address
+    properties: dict[str, PropertyValue] = {
+        str(k): _property_out(v) for k, v in message.properties.items()
+    }
+    if message.persistent and duplicate_detection:
+        properties[DUPLICATE_ID] = message_id  # Artemis reads this one
+    if properties:
+        out.properties = properties  # type: ignore[assignment] # proton annotates only None
+    payload: bytes = out.encode()
+    return payload
+
+
+def _id_text(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | memoryview):
+        return bytes(value).hex()
+    return str(value)
+
+
+def _property_in(value: object) -> PropertyValue | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, bytes | memoryview):
+        return bytes(value).hex()
+    return str(value)
+
+
+def _valid_property_name(name: object) -> bool:
+    return isinstance(name, str) and bool(name) and not any(c in name for c in "\x00\n\r")
+
+
+def _body_in(body: object) -> bytes | str:
+    if isinstance(body, str):
+        return str(body)
+    if isinstance(body, bytes | memoryview | bytearray):
+        return bytes(body)
+    if body is None:
+        return b""
+    # A map, list or number: kept in its AMQP encoding, which the caller can decode.
+    data = proton.Data()
+    data.put_object(body)
+    encoded: bytes = data.encode()
+    return encoded
+
+
+def _destination_in(address: str | None) -> Destination | None:
+    if not address:
+        return None
+    try:
+        return parse_destination(address)
+    except ValueError:
+        return None  # a broker-specific form this client does not model
+
+
+def decode_message(payload: bytes, *, fallback: Destination | None = None) -> Message:
+    """A received transfer as a Message (``fallback``: the subscribed destination, used when
+    the message names none)."""
+    incoming = proton.Message()
+    incoming.decode(payload)
+    properties: dict[str, PropertyValue] = {}
+    received: dict[Any, Any] = incoming.properties or {}
+    for name, value in received.items():
+        converted = _property_in(value)
+        if converted is not None and _valid_property_name(name) and name != DUPLICATE_ID:
+            properties[str(name)] = converted
+    ttl = incoming.ttl
+    correlation_id = _id_text(incoming.correlation_id)
+    delivery_count = int(incoming.delivery_count)
+    return Message(
+        body=_body_in(incoming.body),
+        properties=properties,
+        persistent=bool(incoming.durable),
+        priority=min(max(int(incoming.priority), 0), 9),
+        time_to_live=ttl if ttl and ttl > 0 else None,
+        correlation_id=correlation_id,
+        reply_to=_destination_in(incoming.reply_to),
+        message_id=_id_text(incoming.id),
+        destination=_destination_in(incoming.address) or fallback,
+        redelivered=delivery_count > 0 or not incoming.first_acquirer,
+        delivery_count=delivery_count,
+    )
+
+
+# --- the machinery of a blocked call ---------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class _Waiter(Generic[T]):
+    """One blocked call, completed by the reactor thread.
+
+    A caller that gives up (timeout) abandons it; the reactor then learns from ``succeed``
+    returning False that nobody will take what it made, and undoes it.
+    """
+
+    def __init__(self, what: str, interrupted: type[RemoteError] = UnblockedError) -> None:
+        self.what = what
+        self.interrupted = interrupted  # raised if the connection dies before the answer
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._result: tuple[T] | None = None
+        self._error: HaFailoverError | None = None
+        self._abandoned = False
+
+    def succeed(self, value: T) -> bool:
+        with self._lock:
+            if self._abandoned or self._done.is_set():
+                return False
+            self._result = (value,)
+            self._done.set()
+            return True
+
+    def fail(self, error: HaFailoverError) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._error = error
+                self._done.set()
+
+    def wait(self, timeout: float) -> T:
+        if not self._done.wait(timeout):
+            with self._lock:
+                if not self._done.is_set():
+                    self._abandoned = True
+                    raise CallTimeoutError(f"{self.what}: no answer within {timeout:g}s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result[0]
+
+
+@attrs.frozen
+class _Command:
+    run: Callable[[], None]
+    waiter: _Waiter[Any] | None = None
+    ending: bool = False  # close or abort: runs even once the connection is dead
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPENING = "opening"
+    OPEN = "open"
+    ENDING = "ending"  # closing, aborting or lost: no new commands
+    ENDED = "ended"  # the reactor thread has finished
+
+
+class _Subscription:
+    __slots__ = ("attaching", "credit", "destination", "durable", "link", "name")
+
+    def __init__(
+        self,
+        name: str,
+        link: Receiver,
+        destination: Destination,
+        credit: int,
+        *,
+        durable: bool,
+        attaching: _Waiter[None],
+    ) -> None:
+        self.name = name
+        self.link = link
+        self.destination = destination
+        self.credit = credit
+        self.durable = durable
+        self.attaching: _Waiter[None] | None = attaching
+
+
+class _TemporaryQueue:
+    __slots__ = ("attaching", "destination", "link")
+
+    def __init__(self, link: Receiver, attaching: _Waiter[Destination]) -> None:
+        self.link = link
+        self.attaching: _Waiter[Destination] | None = attaching
+        self.destination: Destination | None = None
+
+
+class _Dialect(enum.Enum):
+    """How destinations are written as AMQP addresses for the broker at hand."""
+
+    CANONICAL = "canonical"  # queue://x, topic://x (the reference broker, DESIGN section 3)
+    RABBITMQ = "rabbitmq"  # /queue/x, /topic/x (RabbitMQ's AMQP 1.0 plugin)
+
+
+class _Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class _Timer(proton.Handler):
+    """A proton timer task that calls back once on the reactor thread."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+
+    def on_timer_task(self, event: Event) -> None:
+        self._callback()
+
+
+class AmqpTransport:
+    """A single AMQP 1.0 connection; ``open`` blocks until the broker's Open or failure."""
+
+    def __init__(
+        self,
+        events: AmqpEvents,
+        *,
+        heartbeat: float = 1.0,
+        connect_timeout: float = 5.0,
+        call_timeout: float = 30.0,
+        tls_ca_file: str | None = None,
+    ) -> None:
+        """``heartbeat``: the broker is declared dead after twice this many seconds of
+        silence; the Open asks it to send something at least every ``heartbeat`` seconds
+        (0 turns both off). ``connect_timeout`` bounds ``open``, ``call_timeout`` the other
+        blocking calls unless they are given a timeout. ``tls_ca_file``: the certificates
+        to trust for amqps (else the system's)."""
+        self.events = events
+        self.heartbeat = heartbeat
+        self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
+        self.tls_ca_file = tls_ca_file
+        self.broker: BrokerAddress | None = None
+        self._serial = next(_TRANSPORT_SERIALS)
+        # Shared with application threads, under _lock.
+        self._lock = threading.Lock()
+        self._state = _State.NEW
+        self._closing = False  # the application asked to close or abort: no on_lost
+        self._commands: deque[_Command] = deque()
+        self._wake_pending = False
+        self._temporary: dict[Destination, str] = {}
+        self._dialect = _Dialect.CANONICAL
+        self._thread: threading.Thread | None = None
+        self._container: Container | None = None
+        self._injector: EventInjector | None = None
+        self._wake = ApplicationEvent(_WORK)
+        # The reactor thread's own.
+        self._connection: Connection | None = None
+        self._session: Session | None = None
+        self._opening: _Waiter[Opened] | None = None
+        self._pending: set[_Waiter[Any]] = set()  # blocked calls waiting for the broker
+        self._senders: dict[str, Sender] = {}
+        self._sender_addresses: dict[Link, str] = {}
+        self._outgoing: dict[Delivery, int] = {}  # unsettled transfer -> its token
+        self._subscriptions: dict[str, _Subscription] = {}
+        self._temporary_queues: dict[Link, _TemporaryQueue] = {}
+        self._link_subscription: dict[Link, _Subscription] = {}
+        self._incoming: dict[int, tuple[Delivery, _Subscription]] = {}
+        self._coordinator: Sender | None = None
+        self._control: dict[Delivery, tuple[bool, _Waiter[Any]]] = {}  # is-declare, waiter
+        self._names = itertools.count(1)
+        self._grace: _Cancellable | None = None
+        self._dead = False  # the reactor has given the connection up
+        self._lost_reported = False
+
+    # --- opening ------------------------------------------------------------------------------
+
+    def open(self, broker: BrokerAddress) -> Opened:
+        """Connect, log in and open; raise NotConnectedError or SecurityError if that fails.
+
+        A transport opens once: the driver makes a new one for every connection."""
+        with self._lock:
+            if self._state is not _State.NEW:
+                raise IllegalStateError("an AmqpTransport opens once; make a new one")
+            self._state = _State.OPENING
+        self.broker = broker
+        waiter: _Waiter[Opened] = _Waiter(f"open {broker.redacted()}", NotConnectedError)
+        self._opening = waiter
+        try:
+            with _map_errors(broker.redacted()):
+                self._start(broker)
+        except HaFailoverError:
+            with self._lock:
+                self._state = _State.ENDED
+            raise
+        try:
+            return waiter.wait(self.connect_timeout)
+        except CallTimeoutError:
+            self.abort()
+            raise NotConnectedError(
+                f"{broker.redacted()} did not open within {self.connect_timeout:g}s"
+            ) from None
+        except HaFailoverError:
+            self.abort()  # the reactor is ending already; wait for its thread
+            raise
+
+    def _start(self, broker: BrokerAddress) -> None:
+        ssl_domain: SSLDomain | None = None
+        if broker.tls:
+            ssl_domain = SSLDomain(SSLDomain.MODE_CLIENT)
+            # A client domain verifies the peer's certificate and name by default.
+            if self.tls_ca_file is not None:
+                ssl_domain.set_trusted_ca_db(self.tls_ca_file)
+        host = f"[{broker.host}]" if ":" in broker.host else broker.host
+        options: dict[str, Any] = {
+            "sasl_enabled": True,
+            "allowed_mechs": "PLAIN" if broker.user is not None else "ANONYMOUS",
+            # PLAIN sends the password in clear: only TLS makes that safe, and only
+            # without TLS must it be allowed explicitly.
+            "allow_insecure_mechs": not broker.tls,
+        }
+        if broker.user is not None:
+            options["user"] = broker.user
+            options["password"] = broker.password or ""
+        container = Container(
+            _Handler(self), global_handler=_IOHandler(2 * self.heartbeat if self.heartbeat else 0)
+        )
+        injector = EventInjector()
+        try:
+            container.selectable(injector)
+            self._connection = container.connect(
+                url=f"{'amqps' if broker.tls else 'amqp'}://{host}:{broker.port}",
+                reconnect=False,
+                heartbeat=None,  # set by _IOHandler once the login is done
+                ssl_domain=ssl_domain,
+                **options,
+            )
+        except BaseException:
+            _close_pipe(injector)
+            raise
+        self._container = container
+        self._injector = injector
+        thread = threading.Thread(
+            target=self._run, name=f"hafailover-amqp {broker.host}:{broker.port}", daemon=True
+        )
+        self._thread = thread
+        thread.start()
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def send(
+        self,
+        token: int,
+        destination: Destination,
+        message: Message,
+        *,
+        duplicate_detection: bool,
+        tx: AmqpTransaction | None = None,
+    ) -> int:
+        """Send without waiting; the broker's outcome arrives as ``on_settled(token, ...)``.
+
+        Returns the size of the encoded message in bytes (for the confirmation window)."""
+        self._check_transaction(tx)
+        address = self._address(destination)
+        reply_to = None if message.reply_to is None else self._address(message.reply_to)
+        with _map_errors(self._broker_text()):
+            payload = encode_message(
+                message, address, reply_to=reply_to, duplicate_detection=duplicate_detection
+            )
+        self._submit(_Command(partial(self._send_now, token, address, payload, tx)))
+        return len(payload)
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def subscribe(
+        self,
+        subscription_id: str,
+        destination: Destination,
+        *,
+        credit: int,
+        settle_on_delivery: bool,
+        durable_name: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Attach a receiver and wait until the broker has; then messages arrive as
+        ``on_message``. ``settle_on_delivery``: the broker settles as it sends (at most
+        once); else each delivery waits for ``settle``. ``credit`` is kept outstanding."""
+        if isinstance(credit, bool) or not isinstance(credit, int) or credit < 1:
+            raise ConfigurationError(f"credit must be a whole number of at least 1, not {credit!r}")
+        address = self._address(destination)
+        self._ask(
+            f"subscribe {subscription_id!r} to {destination}",
+            partial(
+                self._subscribe_now,
+                subscription_id,
+                address,
+                destination,
+                credit,
+                settle_on_delivery,
+                durable_name,
+            ),
+            timeout,
+        )
+
+    def settle(self, delivery: int, outcome: Outcome, *, tx: AmqpTransaction | None = None) -> None:
+        """Settle a received message (thread-safe, without waiting). A token of a delivery
+        already settled, or of a link that has ended, is ignored."""
+        self._check_transaction(tx)
+        self._submit(_Command(partial(self._settle_now, delivery, outcome, tx)))
+
+    def unsubscribe(self, subscription_id: str, *, remove_durable: bool = False) -> None:
+        """Stop a subscription without waiting; its unsettled messages go back to the broker.
+        A durable subscription is kept on the broker unless ``remove_durable``."""
+        self._submit(_Command(partial(self._unsubscribe_now, subscription_id, remove_durable)))
+
+    def create_temporary_queue(self, *, timeout: float | None = None) -> Destination:
+        """A queue that lives as long as this connection (or ``delete_temporary_queue``)."""
+        destination: Destination = self._ask(
+            "create a temporary queue", self._temporary_queue_now, timeout
+        )
+        return destination
+
+    def delete_temporary_queue(self, destination: Destination) -> None:
+        self._submit(_Command(partial(self._delete_temporary_now, destination)))
+
+    # --- transactions -------------------------------------------------------------------------
+
+    def declare(self, *, timeout: float | None = None) -> AmqpTransaction:
+        """Declare a local transaction and wait for its id."""
+        tx: AmqpTransaction = self._ask("declare a transaction", self._declare_now, timeout)
+        return tx
+
+    def discharge(self, tx: AmqpTransaction, *, fail: bool, timeout: float | None = None) -> None:
+        """Commit (``fail=False``) or roll back, and wait until the broker has settled it.
+
+        Raises ProtocolError if the broker refuses; a commit cut by the loss of the
+        connection raises TransactionOutcomeUnknownError."""
+        self._check_transaction(tx)
+        self._ask(
+            f"{'roll back' if fail else 'commit'} a transaction",
+            partial(self._discharge_now, tx, fail),
+            timeout,
+            interrupted=UnblockedError if fail else TransactionOutcomeUnknownError,
+        )
+
+    # --- ending -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Say goodbye (Close) and wait briefly for the broker's; never hangs."""
+        self._finish(clean=True)
+
+    def abort(self) -> None:
+        """Drop the socket without a Close."""
+        self._finish(clean=False)
+
+    def _finish(self, *, clean: bool) -> None:
+        with self._lock:
+            self._closing = True
+            if self._state is _State.NEW:
+                self._state = _State.ENDED
+            if self._state in (_State.OPENING, _State.OPEN, _State.ENDING):
+                self._state = _State.ENDING
+                self._enqueue(_Command(self._close_now if clean else self._abort_now, ending=True))
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._close_grace() + 2.0)
+
+    # --- application side: commands for the reactor ------------------------------------------
+
+    def _submit(self, command: _Command) -> None:
+        with self._lock:
+            if self._state is not _State.OPEN:
+                raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
+            self._enqueue(command)
+
+    def _enqueue(self, command: _Command) -> None:
+        """Queue a command and wake the reactor if it is not woken already (under _lock)."""
+        self._commands.append(command)
+        if not self._wake_pending and self._injector is not None:
+            self._wake_pending = True
+            self._injector.trigger(self._wake)
+
+    def _ask(
+        self,
+        what: str,
+        run: Callable[[_Waiter[T]], None],
+        timeout: float | None,
+        *,
+        interrupted: type[RemoteError] = UnblockedError,
+    ) -> T:
+        if threading.current_thread() is self._thread:
+            raise IllegalStateError(
+                f"{what}: a blocking call from an event callback would deadlock the reactor"
+            )
+        waiter: _Waiter[T] = _Waiter(f"{self._broker_text()}: {what}", interrupted)
+        self._submit(_Command(partial(run, waiter), waiter))
+        return waiter.wait(self.call_timeout if timeout is None else timeout)
+
+    def _check_transaction(self, tx: AmqpTransaction | None) -> None:
+        if tx is not None and tx.transport != self._serial:
+            raise IllegalStateError("the transaction was declared on another connection")
+
+    def _address(self, destination: Destination) -> str:
+        with self._lock:
+            raw = self._temporary.get(destination)
+            dialect = self._dialect
+        if raw is not None:
+            return raw
+        if dialect is _Dialect.RABBITMQ and destination.kind is not DestinationKind.TEMPORARY_QUEUE:
+            return destination.stomp
+        return destination.amqp
+
+    def _broker_text(self) -> str:
+        return self.broker.redacted() if self.broker is not None else "broker"
+
+    def _close_grace(self) -> float:
+        return min(_CLOSE_GRACE, self.connect_timeout)
+
+    # --- the reactor thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        container = self._container
+        assert container is not None
+        try:
+            container.run()
+        except Exception as exc:  # noqa: BLE001 - whatever ends proton's loop ends this connection
+            # An OSError is the network's (a name that does not resolve); anything else a bug.
+            level = logging.INFO if isinstance(exc, OSError) else logging.WARNING
+            log.log(level, "amqp %s: the reactor failed: %r", self._broker_text(), exc)
+            error = _translate(exc, self._broker_text())
+            if not isinstance(error, RemoteError):
+                error = ProtocolError(str(error))
+            self._die(f"the reactor failed: {exc!r}", None, refused=error)
+        finally:
+            self._reactor_ended()
+
+    def _reactor_ended(self) -> None:
+        with self._lock:
+            self._state = _State.ENDED
+            left = list(self._commands)
+            self._commands.clear()
+            closing = self._closing
+            injector = self._injector
+        error = self._released_error(closing)
+        for command in left:
+            if command.waiter is not None:
+                command.waiter.fail(error(command.waiter.what))
+        self._release(closing)
+        if injector is not None:
+            _close_pipe(injector)  # nobody triggers it any more: the state is ENDED
+        self._container = None
+
+    def _work(self) -> None:
+        """Run every queued command (one wake-up)."""
+        with self._lock:
+            self._wake_pending = False
+            batch = list(self._commands)
+            self._commands.clear()
+        for command in batch:
+            if self._dead and not command.ending:
+                if command.waiter is not None:  # too late: the connection is ending
+                    with self._lock:
+                        closing = self._closing
+                    command.waiter.fail(self._released_error(closing)(command.waiter.what))
+                continue
+            try:
+                command.run()
+            except (HaFailoverError, proton.ProtonException) as exc:
+                error = _translate(exc, self._broker_text())
+                if command.waiter is not None:
+                    self._pending.discard(command.waiter)
+                    command.waiter.fail(error)
+                elif isinstance(error, ProtocolError):
+                    self._emit(self.events.on_error, error)
+                else:
+                    self._emit(self.events.on_error, ProtocolError(str(error)))
+
+    def _emit(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            callback(*args)
+        except Exception:  # a driver callback that raises must not kill the reactor
+            log.exception("amqp %s: event callback %r failed", self._broker_text(), callback)
+
+    # Commands (reactor thread).
+
+    def _send_now(
+        self, token: int, address: str, payload: bytes, tx: AmqpTransaction | None
+    ) -> None:
+        sender = self._sender_for(address)
+        delivery = sender.delivery(str(next(self._names)))
+        if tx is not None:
+            # Before the bytes: the transactional state must travel in the transfer itself.
+            _set_state(delivery, _TRANSACTIONAL_STATE, [tx.txn_id])
+        sender.stream(payload)
+        sender.advance()
+        self._outgoing[delivery] = token
+
+    def _sender_for(self, address: str) -> Sender:
+        sender = self._senders.get(address)
+        if sender is None:
+            sender = self._require_session().sender(f"hafailover-sender-{next(self._names)}")
+            sender.target.address = address
+            sender.snd_settle_mode = Link.SND_UNSETTLED
+            sender.rcv_settle_mode = Link.RCV_FIRST
+            sender.open()
+            self._senders[address] = sender
+            self._sender_addresses[sender] = address
+        return sender
+
+    def _subscribe_now(
+        self,
+        subscription_id: str,
+        address: str,
+        destination: Destination,
+        credit: int,
+        settle_on_delivery: bool,
+        durable_name: str | None,
+        waiter: _Waiter[None],
+    ) -> None:
+        if subscription_id in self._subscriptions:
+            raise IllegalStateError(f"subscription {subscription_id!r} exists already")
+        name = durable_name or f"hafailover-receiver-{next(self._names)}"
+        link = self._require_session().receiver(name)
+        link.source.address = address
+        if durable_name is not None:
+            link.source.durability = Terminus.DELIVERIES
+            link.source.expiry_policy = Terminus.EXPIRE_NEVER
+        if settle_on_delivery:
+            link.snd_settle_mode = Link.SND_SETTLED
+        else:
+            link.snd_settle_mode = Link.SND_UNSETTLED
+            link.rcv_settle_mode = Link.RCV_FIRST
+        subscription = _Subscription(
+            subscription_id,
+            link,
+            destination,
+            credit,
+            durable=durable_name is not None,
+            attaching=waiter,
+        )
+        self._subscriptions[subscription_id] = subscription
+        self._link_subscription[link] = subscription
+        self._pending.add(waiter)
+        link.open()
+
+    def _settle_now(self, token: int, outcome: Outcome, tx: AmqpTransaction | None) -> None:
+        entry = self._incoming.pop(token, None)
+        if entry is None:
+            return
+        delivery, _ = entry
+        if tx is not None:
+            code, fields = {
+                Outcome.ACCEPTED: (_ACCEPTED, list[Any]()),
+                Outcome.RELEASED: (_RELEASED, []),
+                Outcome.REJECTED: (_REJECTED, []),
+                Outcome.MODIFIED: (_MODIFIED, [True]),
+            }[outcome]
+            _set_state(delivery, _TRANSACTIONAL_STATE, [tx.txn_id, Described(ulong(code), fields)])
+        elif outcome is Outcome.ACCEPTED:
+            delivery.update(Delivery.ACCEPTED)
+        elif outcome is Outcome.RELEASED:
+            delivery.update(Delivery.RELEASED)
+        elif outcome is Outcome.REJECTED:
+            delivery.update(Delivery.REJECTED)
+        else:
+            delivery.local.failed = True
+            delivery.update(Delivery.MODIFIED)
+        delivery.settle()
+
+    def _unsubscribe_now(self, subscription_id: str, remove_durable: bool) -> None:
+        subscription = self._subscriptions.get(subscription_id)
+        if subscription is None:
+            return
+        link = subscription.link
+        self._forget_subscription(subscription)
+        if subscription.durable and not remove_durable:
+            link.detach()  # a detach keeps a durable subscription, a close removes it
+        else:
+            link.close()
+
+    def _forget_subscription(self, subscription: _Subscription) -> None:
+        self._subscriptions.pop(subscription.name, None)
+        self._link_subscription.pop(subscription.link, None)
+        for token in [t for t, (_, s) in self._incoming.items() if s is subscription]:
+            del self._incoming[token]
+
+    def _temporary_queue_now(self, waiter: _Waiter[Destination]) -> None:
+        link = self._require_session().receiver(f"hafailover-temporary-{next(self._names)}")
+        link.source.dynamic = True
+        # No credit: this link only holds the queue; consumers subscribe to its address.
+        self._temporary_queues[link] = _TemporaryQueue(link, waiter)
+        self._pending.add(waiter)
+        link.open()
+
+    def _delete_temporary_now(self, destination: Destination) -> None:
+        for link, queue in list(self._temporary_queues.items()):
+            if queue.destination == destination:
+                del self._temporary_queues[link]
+                link.close()
+        with self._lock:
+            self._temporary.pop(destination, None)
+
+    def _declare_now(self, waiter: _Waiter[AmqpTransaction]) -> None:
+        self._send_control(Described(_DECLARE, [None]), declare=True, waiter=waiter)
+
+    def _discharge_now(self, tx: AmqpTransaction, fail: bool, waiter: _Waiter[None]) -> None:
+        self._send_control(Described(_DISCHARGE, [tx.txn_id, fail]), declare=False, waiter=waiter)
+
+    def _send_control(self, body: Described, *, declare: bool, waiter: _Waiter[Any]) -> None:
+        coordinator = self._coordinator
+        if coordinator is None:
+            coordinator = self._require_session().sender(f"hafailover-txn-{next(self._names)}")
+            coordinator.target.type = Terminus.COORDINATOR
+            coordinator.target.capabilities.put_object(_LOCAL_TRANSACTIONS)
+            coordinator.open()
+            self._coordinator = coordinator
+        delivery = coordinator.delivery(str(next(self._names)))
+        coordinator.stream(proton.Message(body=body).encode())
+        coordinator.advance()
+        self._control[delivery] = (declare, waiter)
+        self._pending.add(waiter)
+
+    def _close_now(self) -> None:
+        connection = self._connection
+        if self._dead or connection is None or connection.state & Endpoint.LOCAL_CLOSED:
+            self._shutdown()
+            return
+        self._dead = True
+        self._release(closing=True)
+        connection.close()
+        container = self._container
+        if container is not None:
+            self._grace = container.schedule(self._close_grace(), _Timer(self._shutdown))
+
+    def _abort_now(self) -> None:
+        self._dead = True
+        self._release(closing=True)
+        self._shutdown()
+
+    def _require_session(self) -> Session:
+        if self._session is None:
+            raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
+        return self._session
+
+    # Endings (reactor thread).
+
+    def _die(
+        self,
+        reason: str,
+        condition: Condition | None,
+        *,
+        refused: RemoteError | None = None,
+    ) -> None:
+        """The connection is gone (or never came): tell who needs to know, once, and stop.
+
+        ``condition``: the broker's or proton's reason, if any; ``refused``: what ``open``
+        raises instead of the error the condition names."""
+        if self._dead:
+            self._shutdown()
+            return
+        self._dead = True
+        with self._lock:
+            if self._state in (_State.OPENING, _State.OPEN):
+                self._state = _State.ENDING
+            closing = self._closing
+        opening = self._opening
+        self._opening = None
+        if opening is not None:
+            opening.fail(refused or _refusal(condition, self._broker_text()))
+        elif not closing and not self._lost_reported:
+            self._lost_reported = True
+            self._emit(self.events.on_lost, f"{self._broker_text()}: {reason}")
+        self._release(closing, reason, condition)
+        self._shutdown()
+
+    @staticmethod
+    def _released_error(closing: bool) -> Callable[[str], HaFailoverError]:
+        def make(what: str) -> HaFailoverError:
+            if closing:
+                return ConnectionClosedError(f"{what}: the connection was closed")
+            return UnblockedError(f"{what}: the connection was lost")
+
+        return make
+
+    def _release(self, closing: bool, reason: str = "", condition: Condition | None = None) -> None:
+        """Release every blocked call: the answer it waits for will never come.
+
+        When the broker ended the connection or session refusing a request (RabbitMQ ends
+        the session on a transaction or a dynamic node it does not implement), the calls
+        get that refusal: repeating them after a reconnect would fail the same way."""
+        pending, self._pending = self._pending, set()
+        if self._opening is not None:
+            pending.add(self._opening)
+            self._opening = None
+        for waiter in pending:
+            if closing:
+                waiter.fail(ConnectionClosedError(f"{waiter.what}: the connection was closed"))
+            elif waiter.interrupted is UnblockedError and _refuses_request(condition):
+                waiter.fail(_condition_error(condition, waiter.what))
+            else:
+                lost = f"the connection was lost: {reason}" if reason else "the connection was lost"
+                waiter.fail(waiter.interrupted(f"{waiter.what}: {lost}"))
+        self._control.clear()
+
+    def _shutdown(self) -> None:
+        """Drop the socket (if any) and let the reactor loop end."""
+        with self._lock:
+            if self._state in (_State.OPENING, _State.OPEN):
+                self._state = _State.ENDING
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        connection = self._connection
+        transport = None if connection is None else connection.transport
+        if transport is not None:
+            # A connect still in progress has its socket in a private selectable of proton's
+            # IO handler, which nothing else would ever close: end it as proton does.
+            connecting = getattr(transport, "_connect_selectable", None)
+            if connecting is not None:
+                connecting.terminate()
+                connecting.update()
+            with contextlib.suppress(proton.ProtonException):
+                transport.close_tail()
+            with contextlib.suppress(proton.ProtonException):
+                transport.close_head()
+        container = self._container
+        if container is not None:
+            container.stop()
+
+    # proton's events (reactor thread), from _Handler.
+
+    def _connection_opened(self, connection: Connection) -> None:
+        if self._dead:
+            return
+        properties = connection.remote_properties or {}
+        topology = properties.get(TOPOLOGY_PROPERTY)
+        if isinstance(topology, list | tuple):
+            announced = ",".join(str(item) for item in topology)
+        else:
+            announced = str(topology) if isinstance(topology, str) else ""
+        product = str(properties.get(_PRODUCT, ""))
+        session = connection.session()
+        session.open()
+        self._session = session
+        broker = self.broker
+        assert broker is not None
+        with self._lock:
+            if self._state is _State.OPENING:
+                self._state = _State.OPEN
+            self._dialect = _Dialect.RABBITMQ if "rabbitmq" in product.lower() else self._dialect
+        opening = self._opening
+        self._opening = None
+        opened = Opened(
+            broker=broker,
+            session_id=None,  # AMQP has no reattach extension here
+            resumed=False,
+            last_received=-1,
+            topology=parse_topology(announced),
+        )
+        if opening is not None and not opening.succeed(opened):
+            self._abort_now()  # open() gave up already
+
+    def _connection_closed_by_peer(self, connection: Connection) -> None:
+        condition = connection.remote_condition
+        if self._dead:  # the answer to our Close
+            self._shutdown()
+            return
+        self._die(f"closed by the broker: {_condition_text(condition)}", condition)
+
+    def _session_closed_by_peer(self, session: Session) -> None:
+        if self._dead or session != self._session:
+            return
+        # Every link lived on this session: without it the connection is of no use.
+        condition = session.remote_condition
+        self._die(f"the broker ended the session: {_condition_text(condition)}", condition)
+
+    def _transport_failed(self, condition: Condition | None) -> None:
+        self._die(_condition_text(condition), condition)
+
+    def _link_opened(self, link: Link) -> None:
+        subscription = self._link_subscription.get(link)
+        if subscription is not None and subscription.attaching is not None:
+            if link.remote_source.address is None:
+                return  # refused: the detach with the reason follows (part 2.6.3)
+            waiter, subscription.attaching = subscription.attaching, None
+            self._pending.discard(waiter)
+            if waiter.succeed(None):
+                assert isinstance(link, Receiver)
+                link.flow(subscription.credit)
+            else:  # subscribe() gave up waiting
+                self._forget_subscription(subscription)
+                link.close()
+            return
+        queue = self._temporary_queues.get(link)
+        if queue is not None and queue.attaching is not None:
+            address = link.remote_source.address
+            if address is None:
+                return
+            name = address.removeprefix(_TEMP_QUEUE_PREFIX)
+            destination = Destination(DestinationKind.TEMPORARY_QUEUE, name)
+            queue.destination = destination
+            with self._lock:
+                self._temporary[destination] = address
+            created, queue.attaching = queue.attaching, None
+            self._pending.discard(created)
+            if not created.succeed(destination):
+                self._delete_temporary_now(destination)
+
+    def _link_ended_by_peer(self, link: Link) -> None:
+        condition = link.remote_condition
+        reason = _condition_text(condition)
+        if link.state & Endpoint.LOCAL_ACTIVE:
+            link.close()
+        if self._dead:
+            return
+        subscription = self._link_subscription.get(link)
+        if subscription is not None:
+            self._forget_subscription(subscription)
+            waiter, subscription.attaching = subscription.attaching, None
+            error = ProtocolError(
+                f"{self._broker_text()}: subscription {subscription.name!r} to "
+                f"{subscription.destination} ended by the broker: {reason}"
+            )
+            if waiter is not None:
+                self._pending.discard(waiter)
+                waiter.fail(error)
+            else:
+                self._emit(self.events.on_error, error)
+            return
+        queue = self._temporary_queues.pop(link, None)
+        if queue is not None:
+            error = ProtocolError(f"{self._broker_text()}: temporary queue refused: {reason}")
+            if queue.attaching is not None:
+                self._pending.discard(queue.attaching)
+                queue.attaching.fail(error)
+            else:
+                self._emit(self.events.on_error, error)
+            return
+        if link == self._coordinator:
+            self._coordinator = None
+            error = ProtocolError(
+                f"{self._broker_text()}: the transaction coordinator ended: {reason}"
+            )
+            for delivery, (_, waiter) in list(self._control.items()):
+                if delivery.link == link:
+                    del self._control[delivery]
+                    self._pending.discard(waiter)
+                    waiter.fail(error)
+            self._emit(self.events.on_error, error)
+            return
+        address = self._sender_addresses.pop(link, None)
+        if address is not None:
+            if self._senders.get(address) == link:
+                del self._senders[address]
+            if link.remote_target.address is None:  # refused at attach: nothing arrived
+                error = ProtocolError(
+                    f"{self._broker_text()}: the broker refused a sender to {address}, "
+                    f"the message was not sent: {reason}"
+                )
+            else:
+                error = ProtocolError(
+                    f"{self._broker_text()}: the sender link to {address} ended before the "
+                    f"broker settled: outcome unknown: {reason}"
+                )
+            for delivery, token in list(self._outgoing.items()):
+                if delivery.link == link:
+                    del self._outgoing[delivery]
+                    self._emit(self.events.on_settled, token, error)
+            self._emit(
+                self.events.on_error,
+                ProtocolError(f"{self._broker_text()}: sender link to {address} ended: {reason}"),
+            )
+
+    def _delivery_updated(self, delivery: Delivery) -> None:
+        link = delivery.link
+        if link.is_receiver:
+            assert isinstance(link, Receiver)
+            self._received(link, delivery)
+        elif delivery in self._control:
+            self._control_settled(delivery)
+        else:
+            self._sent_settled(link, delivery)
+
+    def _received(self, link: Receiver, delivery: Delivery) -> None:
+        if delivery.aborted:
+            delivery.settle()
+            return
+        if not delivery.readable or delivery.partial:
+            return  # an update of a delivery read already, or more bytes to come
+        payload = link.recv(delivery.pending) or b""
+        link.advance()
+        subscription = self._link_subscription.get(link)
+        if subscription is None:  # a link that has ended or only holds a temporary queue
+            delivery.update(Delivery.RELEASED)
+            delivery.settle()
+            return
+        try:
+            message = decode_message(payload, fallback=subscription.destination)
+        except (proton.ProtonException, HaFailoverError, ValueError, TypeError) as exc:
+            delivery.local.condition = Condition("amqp:decode-error", str(exc)[:200])
+            delivery.update(Delivery.REJECTED)
+            delivery.settle()
+            self._emit(
+                self.events.on_error,
+                ProtocolError(f"{self._broker_text()}: an undecodable message was rejected: {exc}"),
+            )
+            return
+        token = next(_DELIVERY_TOKENS)
+        if delivery.settled:  # pre-settled by the broker: nothing left to say about it
+            delivery.settle()
+        else:
+            self._incoming[token] = (delivery, subscription)
+        if link.credit <= subscription.credit // 2:
+            link.flow(subscription.credit - link.credit)
+        self._emit(self.events.on_message, subscription.name, token, message)
+
+    def _sent_settled(self, link: Link, delivery: Delivery) -> None:
+        token = self._outgoing.get(delivery)
+        state = delivery.remote_state
+        if token is None:
+            if delivery.settled:
+                delivery.settle()
+            return
+        outcome = int(state) if state else 0
+        if outcome == _TRANSACTIONAL_STATE:
+            outcome = _transactional_outcome(delivery.remote.data)
+            if outcome == 0:
+                return  # no outcome yet
+        elif outcome not in _OUTCOME_NAMES:
+            if not delivery.settled:
+                return  # a non-terminal state (received): wait for the outcome
+            outcome = _ACCEPTED  # settled without a state: the broker took it
+        del self._outgoing[delivery]
+        error = None
+        if outcome != _ACCEPTED:
+            address = self._sender_addresses.get(link) or link.name
+            error = _outcome_error(outcome, delivery, f"{self._broker_text()}: send to {address}")
+        delivery.settle()
+        self._emit(self.events.on_settled, token, error)
+
+    def _control_settled(self, delivery: Delivery) -> None:
+        state = delivery.remote_state
+        if not state and not delivery.settled:
+            return
+        declare, waiter = self._control.pop(delivery)
+        self._pending.discard(waiter)
+        remote = delivery.remote
+        delivery.settle()
+        if declare and state == _DECLARED and remote.data:
+            tx = AmqpTransaction(_txn_id(remote.data[0]), self._serial)
+            if not waiter.succeed(tx):  # declare() gave up waiting: end what it began
+                self._send_control(
+                    Described(_DISCHARGE, [tx.txn_id, True]), declare=False, waiter=_Waiter("")
+                )
+            return
+        if not declare and state == Delivery.ACCEPTED:
+            waiter.succeed(None)
+            return
+        what = "declare" if declare else "discharge"
+        code = int(state) if state else 0
+        reason = _condition_text(remote.condition) if code == _REJECTED else f"state {code:#x}"
+        waiter.fail(ProtocolError(f"{waiter.what}: the broker refused the {what}: {reason}"))
+
+
+def _close_pipe(injector: EventInjector) -> None:
+    """proton never closes an EventInjector's pipe."""
+    for fd in injector.pipe:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _set_state(delivery: Delivery, state: int, data: list[Any]) -> None:
+    """Give a delivery a state proton has no setter for (declared, transactional)."""
+    # proton annotates Disposition.data as a list of int; it is any AMQP list.
+    delivery.local.data = data
+    delivery.update(state)
+
+
+def _txn_id(value: object) -> bytes:
+    if isinstance(value, bytes | memoryview | bytearray):
+        return bytes(value)
+    return str(value).encode()
+
+
+def _transactional_outcome(data: object) -> int:
+    """The outcome code inside a transactional-state, or 0 if it holds none."""
+    if not isinstance(data, list) or len(data) < 2 or not isinstance(data[1], Described):
+        return 0
+    descriptor = data[1].descriptor
+    if isinstance(descriptor, int):
+        return int(descriptor)
+    names = {v: k for k, v in _OUTCOME_NAMES.items() if isinstance(k, int)}
+    return names.get(_OUTCOME_NAMES.get(str(descriptor), ""), 0)
+
+
+class _IOHandler(IOHandler):
+    """proton's socket handler, holding the heart-beat back until the login is done.
+
+    proton enforces its idle timeout from the first byte, SASL included, but a broker may
+    take its time to refuse a login (RabbitMQ waits 3 s before a failed SASL outcome, to slow
+    password guessing): with a short heart-beat the refusal would read as a dead broker. So
+    the transport starts without an idle timeout (``connect_timeout`` bounds the handshake)
+    and gets one here, after the SASL outcome and before the Open that announces it, which
+    proton writes when this update asks how much output is pending.
+    """
+
+    def __init__(self, idle_timeout: float) -> None:
+        super().__init__()
+        self._idle_timeout = idle_timeout
+        self._armed = idle_timeout <= 0
+
+    # A static method in proton, always called through the handler instance (self.update,
+    # self._iohandler.update): an instance method here sees every call.
+    def update(  # type: ignore[override]
+        self, transport: proton.Transport, selectable: Any, now: float
+    ) -> None:
+        if not self._armed and transport.sasl().outcome == proton.SASL.OK:
+            self._armed = True
+            transport.idle_timeout = self._idle_timeout
+        IOHandler.update(transport, selectable, now)
+
+
+class _Handler(proton.Handler):
+    """proton's events, passed to the transport (on the reactor thread)."""
+
+    def __init__(self, transport: AmqpTransport) -> None:
+        self._transport = transport
+
+    def on_hafailover_amqp_work(self, event: Any) -> None:
+        self._transport._work()
+
+    def on_connection_remote_open(self, event: Event) -> None:
+        connection = event.connection
+        assert connection is not None
+        self._transport._connection_opened(connection)
+
+    def on_connection_remote_close(self, event: Event) -> None:
+        connection = event.connection
+        assert connection is not None
+        self._transport._connection_closed_by_peer(connection)
+
+    def on_session_remote_close(self, event: Event) -> None:
+        session = event.session
+        assert session is not None
+        self._transport._session_closed_by_peer(session)
+
+    def on_link_remote_open(self, event: Event) -> None:
+        link = event.link
+        assert link is not None
+        self._transport._link_opened(link)
+
+    def on_link_remote_close(self, event: Event) -> None:
+        link = event.link
+        assert link is not None
+        self._transport._link_ended_by_peer(link)
+
+    def on_link_remote_detach(self, event: Event) -> None:
+        self.on_link_remote_close(event)
+
+    def on_delivery(self, event: Event) -> None:
+        delivery = event.delivery
+        assert delivery is not None
+        self._transport._delivery_updated(delivery)
+
+    def on_transport_error(self, event: Event) -> None:
+        transport = event.transport
+        self._transport._transport_failed(None if transport is None else transport.condition)
+
+    def on_transport_closed(self, event: Event) -> None:
+        transport = event.transport
+        condition = None if transport is None else transport.condition
+        self._transport._transport_failed(condition or Condition("connection closed"))
