@@ -78,7 +78,12 @@ order with their delivery counts, the dead-letter queue and the duplicate-id cac
 committed transactions only. The journal does not record deliveries, so every recovered
 message is marked redelivered: it may have been in flight when the live failed.
 `persistent_state()` is what recovery must reproduce; `checkpoint()` gives the shortest record
-stream that rebuilds it (journal compaction, a backup's initial synchronization).
+stream that rebuilds it. `take_checkpoint()` frames that stream with CHECKPOINT_BEGIN/END for
+the journal: recovery then starts over from the checkpoint, so the node may delete every
+journal segment before it (compaction). A checkpoint is consistent because it is copied in
+one call on the engine's loop, after the records drained so far and before any later one;
+an open transaction is no concern, as it has written nothing yet (its settled messages are
+still in the checkpoint, where a later TX_ACK finds them).
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ import enum
 import sys
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from operator import attrgetter
 from typing import Any, ClassVar, Final
 
@@ -103,6 +108,8 @@ from reference_broker.message import (
     ResourceLockedError,
 )
 from reference_broker.records import (
+    CheckpointBegin,
+    CheckpointEnd,
     DeadLetter,
     DeliveryCount,
     DuplicateId,
@@ -124,6 +131,7 @@ __all__ = [
     "TEMP_QUEUE_PREFIX",
     "TOPIC_PREFIX",
     "AckMode",
+    "Checkpoint",
     "ConsumerInfo",
     "Delivery",
     "DurableQueueState",
@@ -537,6 +545,8 @@ class Engine:
         self._records: list[Record] = []
         self._next_message_id = self._config.first_message_id
         self._next_tx_id = 1
+        self._next_checkpoint_id = 1
+        self._torn_checkpoint = False
         self._next_connection_id = 1
         self._next_consumer_id = 1
         self._next_tag = 1
@@ -1374,12 +1384,14 @@ class Engine:
 
     def _stored_entries(self, queue: _Queue) -> list[_Entry]:
         """Every entry of a queue, in flight or not, in the order recovery would give it."""
-        entries = queue.waiting()
+        entries = queue.waiting()  # already in that order
+        extra = len(entries)
         for consumer in queue.consumers:
             entries.extend(consumer.unacked.values())
         for transaction in self._transactions.values():
             entries.extend(e for q, e, _ in transaction.settles if q is queue)
-        entries.sort(key=lambda e: (-e.message.priority, e.seq))
+        if len(entries) > extra:
+            entries.sort(key=lambda e: (-e.message.priority, e.seq))
         return entries
 
     def persistent_state(self) -> PersistentState:
@@ -1401,21 +1413,52 @@ class Engine:
 
     def checkpoint(self) -> list[Record]:
         """The shortest record stream that rebuilds this engine's persistent state."""
-        out: list[Record] = [IdWatermark(self._next_message_id, self._next_tx_id)]
+        return list(self._copy_state(0).body())
+
+    def take_checkpoint(self) -> Checkpoint:
+        """A checkpoint with a new id, to be journaled right after the records drained so far.
+
+        Its effect on recovery (see `records`): once its CHECKPOINT_END is read, everything
+        journaled before its CHECKPOINT_BEGIN is moot. Records not yet drained belong before
+        it, but it already covers their effect, so they must be drained (and journaled) first.
+        Copying the state is quick; turning it into records is left to `Checkpoint`.
+        """
+        if self._records:
+            raise InvalidRequestError(
+                f"{len(self._records)} records not drained: journal them before a checkpoint"
+            )
+        checkpoint_id = self._next_checkpoint_id
+        self._next_checkpoint_id = checkpoint_id + 1
+        self._torn_checkpoint = False
+        return self._copy_state(checkpoint_id)
+
+    @property
+    def torn_checkpoint(self) -> bool:
+        """Recovery ended inside a checkpoint whose CHECKPOINT_END never reached the journal.
+
+        Recovery would read whatever is appended after such a tail as part of that checkpoint,
+        until a newer CHECKPOINT_BEGIN supersedes it: the first thing journaled after this
+        recovery must be a new checkpoint (`take_checkpoint`, which clears this flag).
+        """
+        return self._torn_checkpoint
+
+    def _copy_state(self, checkpoint_id: int) -> Checkpoint:
+        # Lists of messages that exist already, not a tuple per message: allocating hundreds
+        # of thousands of objects in one go sets off garbage collections over the whole heap,
+        # which cost ten times the copy.
+        queues: list[_QueueCopy] = []
         for queue in self._queues.values():
-            if not queue.durable:
-                continue
-            out.append(QueueCreate(queue.name, queue.address))
-            for entry in self._stored_entries(queue):
-                if entry.message.persistent:
-                    out.append(MessageAdd(queue.names, entry.message))
-                    if entry.delivery_count:
-                        out.append(
-                            DeliveryCount(queue.name, entry.message.id, entry.delivery_count)
-                        )
-        for address, cache in self._duplicates.items():
-            out.extend(DuplicateId(address, d) for d in cache.order)
-        return out
+            if queue.durable:
+                entries = [e for e in self._stored_entries(queue) if e.message.persistent]
+                counts = {e.message.id: e.delivery_count for e in entries if e.delivery_count}
+                messages = [e.message for e in entries]
+                queues.append((queue.name, queue.address, queue.names, messages, counts))
+        duplicates = tuple(
+            (address, tuple(cache.order)) for address, cache in self._duplicates.items()
+        )
+        return Checkpoint(
+            checkpoint_id, self._next_message_id, self._next_tx_id, tuple(queues), duplicates
+        )
 
     @classmethod
     def recover(cls, records: Iterable[Record], config: EngineConfig | None = None) -> Engine:
@@ -1423,33 +1466,123 @@ class Engine:
         persistent messages (all marked redelivered), the dead-letter queue and the
         duplicate-id caches, with committed transactions only.
 
+        A complete checkpoint (CHECKPOINT_BEGIN, its records, CHECKPOINT_END) replaces the
+        state rebuilt so far with the one it holds; one without its END is ignored with what
+        follows it (see `torn_checkpoint`). Ids never go back: message and transaction ids
+        stay above every one the stream used, discarded parts included.
+
         Records that refer to something already gone (which a consistent journal never
         holds) are skipped rather than refused, so that one bad record cannot keep a backup
         from taking over.
         """
-        engine = cls(config)
-        _Recovery(engine).replay(records)
-        return engine
+        return _Recovery(lambda: cls(config)).replay(records)
+
+
+# One durable queue in a checkpoint: name, address, the names its MESSAGE_ADDs carry, its
+# persistent messages in queue order, and the failed-delivery counts that are not 0 by id.
+_QueueCopy = tuple[str, str, tuple[str, ...], list[Message], dict[int, int]]
+
+
+@attrs.frozen(eq=False)
+class Checkpoint:
+    """A copy of an engine's persistent state, taken at one instant of its event loop.
+
+    It holds only immutable values (messages, names, counts), so `records()` and `encode()`
+    may run later and on another thread: the store encodes a large checkpoint on its
+    journal thread rather than holding up the event loop.
+    """
+
+    checkpoint_id: int
+    next_message_id: int
+    next_tx_id: int
+    queues: tuple[_QueueCopy, ...]
+    duplicate_ids: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def body(self) -> Iterator[Record]:
+        """The state as the shortest record stream that rebuilds it (`Engine.checkpoint`)."""
+        yield IdWatermark(self.next_message_id, self.next_tx_id)
+        for name, address, names, messages, counts in self.queues:
+            yield QueueCreate(name, address)
+            for message in messages:
+                yield MessageAdd(names, message)
+                delivery_count = counts.get(message.id)
+                if delivery_count:
+                    yield DeliveryCount(name, message.id, delivery_count)
+        for address, ids in self.duplicate_ids:
+            for duplicate_id in ids:
+                yield DuplicateId(address, duplicate_id)
+
+    def records(self) -> Iterator[Record]:
+        """The checkpoint as journaled: CHECKPOINT_BEGIN, `body()`, CHECKPOINT_END."""
+        yield CheckpointBegin(self.checkpoint_id)
+        yield from self.body()
+        yield CheckpointEnd(self.checkpoint_id)
+
+    def encode(self) -> list[tuple[int, bytes]]:
+        """`records()`, encoded for the journal."""
+        return [record.encode() for record in self.records()]
 
 
 class _Recovery:
-    """Replays records into a fresh engine.
+    """Replays a record stream: the state so far, and a checkpoint being read beside it.
+
+    Records outside checkpoints go to the state so far. A CHECKPOINT_BEGIN starts a fresh
+    replay that gets every record after it; its CHECKPOINT_END makes that replay the state
+    so far. A newer BEGIN drops an unfinished one; the end of the stream drops it too.
+    """
+
+    def __init__(self, new_engine: Callable[[], Engine]) -> None:
+        self.new_engine = new_engine
+        self.state = _Replay(new_engine(), self)
+        self.open: tuple[int, _Replay] | None = None  # the checkpoint being read
+        self.next_message_id = self.state.engine._next_message_id
+        self.next_tx_id = 1
+        self.next_checkpoint_id = 1
+
+    def replay(self, records: Iterable[Record]) -> Engine:
+        target = self.state
+        for record in records:
+            kind = type(record)
+            if kind is CheckpointBegin or kind is CheckpointEnd:
+                target = self._frame(record)
+            else:
+                target.apply(record)
+        engine = self.state.finish()
+        engine._next_message_id = self.next_message_id
+        engine._next_tx_id = self.next_tx_id
+        engine._next_checkpoint_id = self.next_checkpoint_id
+        engine._torn_checkpoint = self.open is not None
+        return engine
+
+    def _frame(self, record: Record) -> _Replay:
+        """Apply a checkpoint's BEGIN or END; return where the next records go."""
+        assert isinstance(record, CheckpointBegin | CheckpointEnd)
+        checkpoint_id = record.checkpoint_id
+        self.next_checkpoint_id = max(self.next_checkpoint_id, checkpoint_id + 1)
+        if isinstance(record, CheckpointBegin):
+            self.open = (checkpoint_id, _Replay(self.new_engine(), self))
+        elif self.open is not None and self.open[0] == checkpoint_id:
+            self.state = self.open[1]
+            self.open = None
+        # An END without its BEGIN is skipped like any record about something gone.
+        return self.state if self.open is None else self.open[1]
+
+
+class _Replay:
+    """Applies records to a fresh engine.
 
     While replaying, each queue's messages live in a dict keyed by message id (insertion
     order is queue order), so an ack anywhere in a long queue costs O(1); the queues' deques
     are built once at the end.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, ids: _Recovery) -> None:
         self.engine = engine
+        self.ids = ids  # the id watermarks, shared by every replay of one stream
         self.staged: dict[str, dict[int, _Entry]] = {}
         self.pending: dict[int, list[Record]] = {}
-        self.next_message_id = engine._next_message_id
-        self.next_tx_id = 1
 
-    def replay(self, records: Iterable[Record]) -> None:
-        for record in records:
-            self.apply(record)
+    def finish(self) -> Engine:
         engine = self.engine
         seq = engine._next_seq
         for name, entries in self.staged.items():
@@ -1461,9 +1594,8 @@ class _Recovery:
             queue.size = len(entries)
             queue.enqueued = len(entries)
         engine._next_seq = seq
-        engine._next_message_id = self.next_message_id
-        engine._next_tx_id = self.next_tx_id
         engine._records.clear()
+        return engine
 
     def apply(self, record: Record) -> None:
         engine = self.engine
@@ -1510,18 +1642,19 @@ class _Recovery:
                 engine._delete_queue(queue)
                 self.staged.pop(record.queue, None)
         elif isinstance(record, IdWatermark):
-            self.next_message_id = max(self.next_message_id, record.next_message_id)
-            self.next_tx_id = max(self.next_tx_id, record.next_tx_id)
+            ids = self.ids
+            ids.next_message_id = max(ids.next_message_id, record.next_message_id)
+            ids.next_tx_id = max(ids.next_tx_id, record.next_tx_id)
 
     def _see_tx(self, tx: int) -> None:
         # Ids of transactions that never committed are burnt too: reusing one would attach
         # its orphaned records to a new transaction's commit.
-        if tx >= self.next_tx_id:
-            self.next_tx_id = tx + 1
+        if tx >= self.ids.next_tx_id:
+            self.ids.next_tx_id = tx + 1
 
     def _see_message(self, message_id: int) -> None:
-        if message_id >= self.next_message_id:
-            self.next_message_id = message_id + 1
+        if message_id >= self.ids.next_message_id:
+            self.ids.next_message_id = message_id + 1
 
     def _add(self, queues: tuple[str, ...], message: Message, duplicate_id: str | None) -> None:
         self._see_message(message.id)

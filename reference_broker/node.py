@@ -22,6 +22,16 @@ activation; any other node joins as backup, so stale data is never served.
 Failback: a node started with ``--role live`` and ``--allow-failback`` that finds the other
 node active joins as backup, and once synchronized asks it to hand the role back.
 
+Compaction: the live checkpoints its engine into the journal (CHECKPOINT_BEGIN, the state,
+CHECKPOINT_END; see reference_broker.records) once the journal holds ``checkpoint_segments``
+sealed segments written since the last checkpoint and at least ``checkpoint_ratio`` times what
+the next checkpoint should take (the last one's size, scaled by the messages stored now, which
+engine statistics count cheaply); once the checkpoint is durable (on the backup too, while it
+is synchronous) it deletes the segments wholly before the BEGIN. The checkpoint reaches the
+backup like any batch, and the backup deletes the same way when it has stored a complete one.
+A journal that ends inside a checkpoint (torn by a crash) gets a new one before anything is
+served, because recovery would take later records for part of the torn one.
+
 The node writes ``status.json`` in its data directory at every role change so that
 harnesses (``BrokerPair``) and ``hafailover pair up`` can wait for it.
 """
@@ -47,20 +57,38 @@ from reference_broker._files import replace_atomically
 from reference_broker.amqp.server import AmqpConnection
 from reference_broker.core import BrokerCore, ServeConfig
 from reference_broker.engine import Engine, EngineConfig
-from reference_broker.journal import Journal, SyncPolicy
-from reference_broker.records import decode
+from reference_broker.journal import (
+    DEFAULT_SEGMENT_SIZE,
+    RECORD_OVERHEAD,
+    Journal,
+    JournalError,
+    Record,
+    SegmentInfo,
+    SyncPolicy,
+)
+from reference_broker.records import (
+    CheckpointBegin,
+    CheckpointEnd,
+    RecordError,
+    RecordType,
+    decode,
+)
 from reference_broker.replication import BackupLink, LiveReplicationServer
 from reference_broker.stomp.server import StompConnection
-from reference_broker.store import Store
+from reference_broker.store import FencedError, Store, compact_before
 from reference_broker.users import UsersFile
 from reference_broker.witness import Lease, Outcome, Timing, Witness
 
-__all__ = ["Node", "NodeConfig", "main"]
+__all__ = ["BackupCompactor", "Checkpointer", "Node", "NodeConfig", "main"]
 
 log = logging.getLogger("reference_broker.node")
 
 LIVE = "live"
 BACKUP = "backup"
+
+CHECKPOINT_SEGMENTS = 3
+CHECKPOINT_RATIO = 2.0
+_CHECKPOINT_CHECK_INTERVAL = 0.25  # seconds between looks at the journal's size
 
 
 @attrs.frozen
@@ -84,6 +112,9 @@ class NodeConfig:
     sync: str = "always"
     allow_failback: bool = True
     max_connection_ttl: float = 300.0
+    segment_size: int = DEFAULT_SEGMENT_SIZE
+    checkpoint_segments: int = CHECKPOINT_SEGMENTS
+    checkpoint_ratio: float = CHECKPOINT_RATIO
 
     @property
     def timing(self) -> Timing:
@@ -99,6 +130,135 @@ class NodeConfig:
         if self.peer_amqp_port:
             amqp.append(f"{self.peer_host}:{self.peer_amqp_port}")
         return {"stomp": tuple(stomp), "amqp": tuple(amqp)}
+
+
+class Checkpointer:
+    """The live's compaction: checkpoints the engine into the journal when the journal has
+    grown enough, then deletes the segments before the checkpoint."""
+
+    def __init__(self, engine: Engine, store: Store, *, segments: int, ratio: float) -> None:
+        if segments < 1 or not ratio >= 0:
+            raise ValueError(f"checkpoint segments {segments} < 1 or ratio {ratio} < 0")
+        self.engine = engine
+        self.store = store
+        self.segments = segments
+        self.ratio = ratio
+        self.begin_seq = 0  # where the last checkpoint began
+        self.size = 0  # journal bytes of the last checkpoint
+        self.stored = 0  # messages stored when it was taken
+        self.count = 0
+
+    def due(self, segments: tuple[SegmentInfo, ...]) -> bool:
+        """Enough sealed segments since the last checkpoint to delete, and a journal big
+        enough that the next checkpoint costs less than what it frees."""
+        sealed = sum(1 for s in segments[:-1] if s.first_seq > self.begin_seq)
+        total = sum(s.size for s in segments)
+        return sealed >= self.segments and total >= self.ratio * self.estimate()
+
+    def estimate(self) -> float:
+        """The next checkpoint's size: the last one's, scaled by the messages stored now (a
+        drained backlog must not keep the journal at twice its old size)."""
+        return self.size * (self._stored() + 1) / (self.stored + 1)
+
+    def _stored(self) -> int:
+        stats = self.engine.stats()
+        return stats.messages + stats.in_flight
+
+    async def checkpoint(self) -> None:
+        """Journal a checkpoint after everything the engine did so far; once it is durable
+        everywhere, delete the segments before it. Raises FencedError if it never is."""
+        engine = self.engine
+        # The records not yet drained come before the checkpoint, which covers their effect.
+        records = engine.drain_records()
+        if records:
+            # The checkpoint's own future says whether these became durable too.
+            before = self.store.persist([r.encode() for r in records])
+            before.add_done_callback(lambda future: future.cancelled() or future.exception())
+        checkpoint = engine.take_checkpoint()  # nothing awaited since the drain
+        stored = self._stored()
+        sizes: list[int] = []
+
+        def encode() -> list[tuple[int, bytes]]:
+            encoded = checkpoint.encode()
+            sizes.append(sum(RECORD_OVERHEAD + len(payload) for _, payload in encoded))
+            return encoded
+
+        started = time.monotonic()
+        begin_seq = await self.store.persist_later(encode)
+        self.begin_seq = begin_seq
+        self.size = sizes[0]
+        self.stored = stored
+        self.count += 1
+        written = time.monotonic() - started
+        report = await self.store.compact_before(begin_seq)
+        log.info(
+            "checkpoint %d: %d bytes at seq %d in %.3fs; compaction deleted %d segments (%d bytes)",
+            checkpoint.checkpoint_id,
+            self.size,
+            begin_seq,
+            written,
+            0 if report is None else len(report.deleted),
+            0 if report is None else report.reclaimed_bytes,
+        )
+
+    async def run(self) -> None:
+        """Checkpoint whenever due, until cancelled or the store stops confirming."""
+        journal = self.store.journal
+        while True:
+            await asyncio.sleep(_CHECKPOINT_CHECK_INTERVAL)
+            segments = await self.store.run(lambda: journal.segments)
+            if not self.due(segments):
+                continue
+            try:
+                await self.checkpoint()
+            except FencedError:
+                return
+            except (JournalError, OSError):
+                # The checkpoint is written; only the deletion failed: try again next time.
+                log.exception("journal compaction failed")
+            except Exception:
+                log.exception("checkpoint failed: the journal is no longer compacted")
+                return
+
+
+class BackupCompactor:
+    """The backup's compaction: watches the records it stores, on its journal thread, and once
+    a checkpoint is complete and durable deletes the segments before it."""
+
+    def __init__(self) -> None:
+        self.begin: tuple[int, int] | None = None  # (id, seq) of the last CHECKPOINT_BEGIN
+
+    def __call__(self, journal: Journal, records: list[Record]) -> None:
+        for record in records:
+            if record.type not in (RecordType.CHECKPOINT_BEGIN, RecordType.CHECKPOINT_END):
+                continue
+            try:
+                frame = decode(record.type, record.payload)
+            except RecordError:
+                # Leave the deletion to a later checkpoint rather than lose the link over it.
+                log.exception("unreadable checkpoint record at seq %d", record.seq)
+                continue
+            if isinstance(frame, CheckpointBegin):
+                self.begin = (frame.checkpoint_id, record.seq)
+            elif isinstance(frame, CheckpointEnd) and self.begin is not None:
+                checkpoint_id, begin_seq = self.begin
+                if frame.checkpoint_id != checkpoint_id:
+                    continue
+                self.begin = None
+                try:
+                    report = compact_before(journal, begin_seq)
+                except (JournalError, OSError):
+                    # Kept segments cost disk only; the next checkpoint deletes them.
+                    log.exception("backup journal compaction failed")
+                    continue
+                if report is not None:
+                    log.info(
+                        "checkpoint %d stored at seq %d: compaction deleted %d segments (%d bytes)",
+                        checkpoint_id,
+                        begin_seq,
+                        len(report.deleted),
+                        report.reclaimed_bytes,
+                    )
 
 
 class Node:
@@ -231,18 +391,16 @@ class Node:
         config = self.config
         if not await self._acquire():
             return BACKUP
-        journal = await asyncio.to_thread(
-            Journal.open, config.data_dir / "journal", sync=_sync_policy(config.sync)
-        )
-        started = time.monotonic()
-        engine = await asyncio.to_thread(
-            lambda: Engine.recover(
-                (decode(r.type, r.payload) for r in journal.replay()),
-                EngineConfig(node_id=config.node_id, first_message_id=self.activation << 40),
-            )
-        )
-        log.info("journal recovered in %.3fs", time.monotonic() - started)
-        store = Store(journal, may_serve=self.may_serve)
+        # Recovering a long journal can take longer than the lease: keep it renewed meanwhile.
+        renewer = asyncio.get_running_loop().create_task(self._renew_lease())
+        try:
+            prepared = await self._prepare_store()
+        finally:
+            renewer.cancel()
+        if prepared is None:
+            self.lease = None  # serve nothing; the lease runs out and the backup may take over
+            return BACKUP
+        engine, store, checkpointer = prepared
         core = BrokerCore(
             engine,
             store,
@@ -319,6 +477,7 @@ class Node:
             await asyncio.sleep(0.5)
             return BACKUP
         core.start()
+        compaction = loop.create_task(checkpointer.run())
         self.synchronized = False
         self.degraded = True
         self.write_status()
@@ -366,12 +525,58 @@ class Node:
             self.lease = None if next_role == BACKUP else self.lease
             await stop_serving()
             core.stop()
+            compaction.cancel()
+            with contextlib.suppress(BaseException):
+                await compaction
             await replication.close()
             await store.close()
             if self._stopping.is_set() and self.lease is not None:
                 self.witness.release(config.node_id, self.activation)
                 self.lease = None
         return next_role
+
+    async def _prepare_store(self) -> tuple[Engine, Store, Checkpointer] | None:
+        """Open and recover the journal; None if it cannot be made ready to serve."""
+        config = self.config
+        journal = await asyncio.to_thread(
+            Journal.open,
+            config.data_dir / "journal",
+            sync=_sync_policy(config.sync),
+            segment_size=config.segment_size,
+        )
+        started = time.monotonic()
+        engine = await asyncio.to_thread(
+            lambda: Engine.recover(
+                (decode(r.type, r.payload) for r in journal.replay()),
+                EngineConfig(node_id=config.node_id, first_message_id=self.activation << 40),
+            )
+        )
+        log.info("journal recovered in %.3fs", time.monotonic() - started)
+        store = Store(journal, may_serve=self.may_serve)
+        checkpointer = Checkpointer(
+            engine, store, segments=config.checkpoint_segments, ratio=config.checkpoint_ratio
+        )
+        if engine.torn_checkpoint:
+            log.warning("the journal ends inside a checkpoint: writing a new one before serving")
+            try:
+                await checkpointer.checkpoint()
+            except (FencedError, JournalError, OSError) as exc:
+                log.error("cannot checkpoint the journal: %s", exc)  # noqa: TRY400
+                await store.close()
+                return None
+        return engine, store, checkpointer
+
+    async def _renew_lease(self) -> None:
+        """Renew the lease as the serving loop would, until cancelled or fenced."""
+        while self.lease is not None:
+            if self.lease.renew_due(time.monotonic()):
+                decision = self.witness.renew(self.config.node_id, self.activation)
+                if decision.outcome is Outcome.RENEWED and decision.lease is not None:
+                    self.lease = decision.lease
+                elif decision.outcome is Outcome.FENCED:
+                    log.warning("%s fenced: %s", self.config.node_id, decision.reason)
+                    self.lease = None
+            await asyncio.sleep(0.02)
 
     def _give_role_to(self, backup: str | None) -> None:
         assert backup is not None
@@ -415,7 +620,10 @@ class Node:
         journal_dir = self.config.data_dir / "journal"
         await asyncio.to_thread(shutil.rmtree, journal_dir, True)
         journal = await asyncio.to_thread(
-            Journal.open, journal_dir, sync=_sync_policy(self.config.sync)
+            Journal.open,
+            journal_dir,
+            sync=_sync_policy(self.config.sync),
+            segment_size=self.config.segment_size,
         )
         self._backup_store = Store(journal)
         return self._backup_store
@@ -446,6 +654,7 @@ class Node:
                     timeout=config.heartbeat_timeout,
                     open_store=self._fresh_store,
                     on_synchronized=self._synchronized,
+                    on_appended=BackupCompactor(),
                 )
                 follower = asyncio.get_running_loop().create_task(
                     link.follow(config.peer_host, config.peer_replication_port)
@@ -493,7 +702,7 @@ class Node:
                         return LIVE
                 # A live paused by SIGSTOP sends nothing: give up on the link after the
                 # heartbeat timeout so that the backup can take over.
-                if time.monotonic() - link.last_seen > config.heartbeat_timeout:
+                if link.silent_for(time.monotonic()) > config.heartbeat_timeout:
                     log.warning("%s: live silent past the heartbeat timeout", config.node_id)
                     return None
                 await asyncio.sleep(0.02)
@@ -583,6 +792,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", type=float, default=1.5)
     p.add_argument("--sync", choices=["always", "group", "never"], default="always")
     p.add_argument("--no-failback", action="store_true")
+    p.add_argument(
+        "--segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, help="journal segment bytes"
+    )
+    p.add_argument(
+        "--checkpoint-segments",
+        type=int,
+        default=CHECKPOINT_SEGMENTS,
+        help="checkpoint once this many journal segments were sealed since the last one",
+    )
+    p.add_argument(
+        "--checkpoint-ratio",
+        type=float,
+        default=CHECKPOINT_RATIO,
+        help="... and the journal is at least this many times the last checkpoint's size",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -607,6 +831,9 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         lease=args.lease,
         sync=args.sync,
         allow_failback=not args.no_failback,
+        segment_size=args.segment_size,
+        checkpoint_segments=args.checkpoint_segments,
+        checkpoint_ratio=args.checkpoint_ratio,
     )
 
 
@@ -617,6 +844,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.node_id} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # The journal thread runs CPU-bound Python (encoding a checkpoint, compaction's scans)
+    # while the event loop drops the GIL at every socket write. With the default 5 ms switch
+    # interval the loop waits that long to get it back after each write (the convoy effect):
+    # a dispatch of a thousand deliveries then holds up the lease renewal past the lease.
+    sys.setswitchinterval(0.0001)
     node = Node(config_from_args(args))
     asyncio.run(node.run())
     return 0

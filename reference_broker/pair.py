@@ -108,6 +108,8 @@ class BrokerPair:
         ports: tuple[int, int, int, int, int, int] | None = None,
         start_backup: bool = True,
         log_level: str = "INFO",
+        segment_size: int | None = None,
+        checkpoint_segments: int | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.user = user
@@ -119,6 +121,9 @@ class BrokerPair:
         self.allow_failback = allow_failback
         self.start_backup = start_backup
         self.log_level = log_level
+        # Journal segment bytes and the compaction threshold; None: the node's defaults.
+        self.segment_size = segment_size
+        self.checkpoint_segments = checkpoint_segments
         p = list(ports) if ports is not None else free_ports(6, host)
         self.nodes = (
             NodeProcess(
@@ -212,6 +217,10 @@ class BrokerPair:
         ]  # fmt: skip
         if not self.allow_failback:
             command.append("--no-failback")
+        if self.segment_size is not None:
+            command += ["--segment-size", str(self.segment_size)]
+        if self.checkpoint_segments is not None:
+            command += ["--checkpoint-segments", str(self.checkpoint_segments)]
         log = open(node.log_path, "ab")  # noqa: SIM115 - the child owns it after Popen
         try:
             node.process = subprocess.Popen(

@@ -24,6 +24,14 @@ Theory of operation
   aborted transaction has written nothing) but recovery honours it.
 - ID_WATERMARK keeps message and transaction ids from being reused after a journal has been
   rebuilt from a checkpoint that no longer holds the highest ids.
+- CHECKPOINT_BEGIN and CHECKPOINT_END (same id) frame a checkpoint: the shortest record
+  stream that rebuilds the whole persistent state (ID_WATERMARK, QUEUE_CREATE, MESSAGE_ADD,
+  DELIVERY_COUNT, DUPLICATE_ID), journaled as one batch after every record before it. Once
+  recovery reads the END, the state is what the framed records rebuild, and every record
+  before the BEGIN is moot: that is what lets the journal delete the segments before it. A
+  BEGIN whose END never reached the journal (a torn tail) is ignored with what follows it,
+  until the next BEGIN, which supersedes it; so the first thing a node journals after
+  recovering such a tail is a new checkpoint.
 
 Encoding (all integers little-endian)
 -------------------------------------
@@ -34,6 +42,7 @@ Encoding (all integers little-endian)
   u8 priority, f64 expiration (0.0 when none), u32 header count, name address,
   [name duplicate id], header count x (text name, text value), blob body.
 - MESSAGE_ADD: u16 queue count, that many names, then a message.  TX_ADD: u64 tx, then the same.
+- CHECKPOINT_BEGIN, CHECKPOINT_END: u64 checkpoint id.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ from reference_broker.message import BrokerError, Message
 
 __all__ = [
     "ENGINE_RECORD_TYPES",
+    "CheckpointBegin",
+    "CheckpointEnd",
     "DeadLetter",
     "DeliveryCount",
     "DuplicateId",
@@ -97,6 +108,8 @@ class RecordType(enum.IntEnum):
     TX_COMMIT = 0x2A
     TX_ROLLBACK = 0x2B
     ID_WATERMARK = 0x2C
+    CHECKPOINT_BEGIN = 0x2D
+    CHECKPOINT_END = 0x2E
 
 
 ENGINE_RECORD_TYPES: Final = frozenset(int(t) for t in RecordType)
@@ -387,6 +400,29 @@ class IdWatermark:
         return self.TYPE, _U64_U64.pack(self.next_message_id, self.next_tx_id)
 
 
+@attrs.frozen
+class CheckpointBegin:
+    """A checkpoint starts: the records up to CHECKPOINT_END with the same id rebuild the
+    whole persistent state."""
+
+    TYPE: ClassVar[RecordType] = RecordType.CHECKPOINT_BEGIN
+    checkpoint_id: int
+
+    def encode(self) -> tuple[int, bytes]:
+        return self.TYPE, _u64(self.checkpoint_id, "checkpoint id")
+
+
+@attrs.frozen
+class CheckpointEnd:
+    """Checkpoint `checkpoint_id` is complete: it replaces everything before its BEGIN."""
+
+    TYPE: ClassVar[RecordType] = RecordType.CHECKPOINT_END
+    checkpoint_id: int
+
+    def encode(self) -> tuple[int, bytes]:
+        return self.TYPE, _u64(self.checkpoint_id, "checkpoint id")
+
+
 Record = (
     QueueCreate
     | QueueDelete
@@ -401,6 +437,8 @@ Record = (
     | TxCommit
     | TxRollback
     | IdWatermark
+    | CheckpointBegin
+    | CheckpointEnd
 )
 
 
@@ -569,6 +607,14 @@ def _id_watermark(r: _Reader) -> Record:
     return IdWatermark(r.u64("message id"), r.u64("transaction id"))
 
 
+def _checkpoint_begin(r: _Reader) -> Record:
+    return CheckpointBegin(r.u64("checkpoint id"))
+
+
+def _checkpoint_end(r: _Reader) -> Record:
+    return CheckpointEnd(r.u64("checkpoint id"))
+
+
 _DECODERS: Final[dict[int, Callable[[_Reader], Record]]] = {
     RecordType.QUEUE_CREATE: _queue_create,
     RecordType.QUEUE_DELETE: _queue_delete,
@@ -583,6 +629,8 @@ _DECODERS: Final[dict[int, Callable[[_Reader], Record]]] = {
     RecordType.TX_COMMIT: _tx_commit,
     RecordType.TX_ROLLBACK: _tx_rollback,
     RecordType.ID_WATERMARK: _id_watermark,
+    RecordType.CHECKPOINT_BEGIN: _checkpoint_begin,
+    RecordType.CHECKPOINT_END: _checkpoint_end,
 }
 
 

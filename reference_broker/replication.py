@@ -17,9 +17,14 @@ written after the loss; when it reconnects it synchronizes again from scratch.
 
 Both ends send PING every quarter heart-beat timeout; a link silent for the timeout is
 dead. Frames are ``u32 length, u8 kind, payload``; a RECORDS payload is a run of
-``u64 seq, u8 type, u32 length, bytes``. HANDOVER asks the live to step down for a
-synchronized former live (failback); the live answers HANDOVER_READY with its final
-sequence number once it has stopped serving and the backup has acknowledged everything.
+``u64 seq, u8 type, u32 length, bytes``, cut into frames of about FRAME_RECORD_BYTES that a
+sender task writes as the socket drains (a batch holding a checkpoint can be hundreds of MiB,
+more than a frame may hold or the event loop may copy at once). The backup hands every run
+it made durable to ``on_appended`` on its journal thread, where the node compacts the
+backup's journal when a checkpoint completes; the time the backup spends storing does not
+count as the live's silence, as it reads nothing meanwhile. HANDOVER asks the live to step
+down for a synchronized former live (failback); the live answers HANDOVER_READY with its
+final sequence number once it has stopped serving and the backup has acknowledged everything.
 
 This module moves records; it never decides roles (the node does, with the witness).
 """
@@ -32,10 +37,11 @@ import json
 import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final
 
-from reference_broker.journal import Record
+from reference_broker.journal import Journal, Record
 from reference_broker.store import Store
 
 __all__ = [
@@ -43,7 +49,9 @@ __all__ = [
     "Kind",
     "LiveReplicationServer",
     "read_frame",
+    "record_frames",
     "write_frame",
+    "write_records",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,7 @@ _RECORD: Final = struct.Struct("<QBI")
 _SEQ: Final = struct.Struct("<Q")
 MAX_FRAME: Final = 64 * 1024 * 1024
 SYNC_CHUNK: Final = 2000  # records per executor call while copying the journal
+FRAME_RECORD_BYTES: Final = 1024 * 1024  # a RECORDS frame is cut after this many bytes
 
 
 class Kind(enum.IntEnum):
@@ -76,6 +85,24 @@ def encode_records(records: list[Record]) -> bytes:
         parts.append(_RECORD.pack(record.seq, record.type, len(record.payload)))
         parts.append(record.payload)
     return b"".join(parts)
+
+
+def record_frames(records: list[Record]) -> Iterator[bytes]:
+    """RECORDS payloads of about FRAME_RECORD_BYTES each, encoded one at a time."""
+    start = size = 0
+    for index, record in enumerate(records):
+        size += _RECORD.size + len(record.payload)
+        if size >= FRAME_RECORD_BYTES:
+            yield encode_records(records[start : index + 1])
+            start, size = index + 1, 0
+    if start < len(records):
+        yield encode_records(records[start:])
+
+
+def write_records(writer: asyncio.StreamWriter, records: list[Record]) -> None:
+    """Send records as RECORDS frames of about FRAME_RECORD_BYTES each."""
+    for payload in record_frames(records):
+        write_frame(writer, Kind.RECORDS, payload)
 
 
 def decode_records(payload: bytes) -> list[Record]:
@@ -149,6 +176,11 @@ class LiveReplicationServer:
         self._writer: asyncio.StreamWriter | None = None
         self._syncing = False
         self._backlog: list[Record] = []
+        # Batches for the sender task, which writes them frame by frame as the socket drains:
+        # a batch holding a checkpoint can be hundreds of MiB, too much to hand the transport
+        # at once without holding up the event loop.
+        self._outbox: deque[list[Record]] = deque()
+        self._outbox_ready = asyncio.Event()
         self.backup_id: str | None = None
         self.synchronized = False
         self.server: asyncio.Server | None = None
@@ -169,7 +201,8 @@ class LiveReplicationServer:
         if self._syncing:
             self._backlog.extend(records)
         elif self._writer is not None and not self._writer.is_closing():
-            write_frame(self._writer, Kind.RECORDS, encode_records(records))
+            self._outbox.append(records)
+            self._outbox_ready.set()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._writer is not None and not self._writer.is_closing():
@@ -185,6 +218,7 @@ class LiveReplicationServer:
             self.synchronized = False
             self._syncing = False
             self._backlog = []
+            self._outbox.clear()
             if self._writer is writer:
                 self._writer = None
                 if self.backup_id is not None:
@@ -203,18 +237,35 @@ class LiveReplicationServer:
         upto = self.store.attach_replica(self)
         begin = {"live": self.node_id, "activation": self.activation, "upto": upto}
         write_frame(writer, Kind.SYNC_BEGIN, json.dumps(begin).encode())
-        pinger = asyncio.get_running_loop().create_task(self._ping(writer))
+        loop = asyncio.get_running_loop()
+        pinger = loop.create_task(self._ping(writer))
+        sender: asyncio.Task[None] | None = None
         try:
             await self._copy_journal(writer, upto)
             write_frame(writer, Kind.SYNC_END, _SEQ.pack(upto))
             # Everything written since SYNC_BEGIN follows, in order.
             backlog, self._backlog, self._syncing = self._backlog, [], False
             if backlog:
-                write_frame(writer, Kind.RECORDS, encode_records(backlog))
-            await writer.drain()
+                self._outbox.append(backlog)
+                self._outbox_ready.set()
+            sender = loop.create_task(self._send(writer))
             await self._read_acks(reader, writer, upto)
         finally:
             pinger.cancel()
+            if sender is not None:
+                sender.cancel()
+
+    async def _send(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await self._outbox_ready.wait()
+                self._outbox_ready.clear()
+                while self._outbox:
+                    for payload in record_frames(self._outbox.popleft()):
+                        write_frame(writer, Kind.RECORDS, payload)
+                        await writer.drain()
+        except (ConnectionError, OSError):
+            writer.close()  # the ack reader sees the link end
 
     async def _copy_journal(self, writer: asyncio.StreamWriter, upto: int) -> None:
         journal = self.store.journal
@@ -235,7 +286,7 @@ class LiveReplicationServer:
             records = await self.store.run(chunk)
             if not records:
                 break
-            write_frame(writer, Kind.RECORDS, encode_records(records))
+            write_records(writer, records)
             await writer.drain()
             cursor = records[-1].seq
 
@@ -283,16 +334,20 @@ class BackupLink:
         timeout: float,
         open_store: Callable[[], Awaitable[Store]],
         on_synchronized: Callable[[str, int], None],
+        on_appended: Callable[[Journal, list[Record]], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.timeout = timeout
         self.store: Store | None = None  # a fresh journal, opened at SYNC_BEGIN
         self._open_store = open_store
         self._on_synchronized = on_synchronized
+        # Called on the journal thread once records are durable, before they are acknowledged.
+        self._on_appended = on_appended
         self.synchronized = False
         self.live_id: str | None = None
         self.activation = 0
         self.last_seen = time.monotonic()
+        self._storing = False
         self._writer: asyncio.StreamWriter | None = None
         self._handover: asyncio.Future[int] | None = None
 
@@ -324,9 +379,18 @@ class BackupLink:
                         def append(records: list[Record] = records) -> int:
                             journal.append_records(records)
                             journal.sync()
+                            if self._on_appended is not None:
+                                self._on_appended(journal, records)
                             return journal.last_seq
 
-                        last = await store.run(append)
+                        # Frames wait in the socket meanwhile: the live is not silent, we are
+                        # busy (a compaction after a checkpoint can take seconds).
+                        self._storing = True
+                        try:
+                            last = await store.run(append)
+                        finally:
+                            self._storing = False
+                            self.last_seen = time.monotonic()
                         if self.synchronized or last >= upto:
                             write_frame(writer, Kind.ACK, _SEQ.pack(last))
                 elif kind is Kind.SYNC_END:
@@ -347,6 +411,11 @@ class BackupLink:
             pinger.cancel()
             self._writer = None
             writer.close()
+
+    def silent_for(self, now: float) -> float:
+        """How long the live has been silent: 0 while this end is storing records, as
+        it reads nothing then."""
+        return 0.0 if self._storing else now - self.last_seen
 
     async def request_handover(self) -> int:
         """Failback: ask the live to step down; returns its final sequence number."""

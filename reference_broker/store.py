@@ -17,6 +17,12 @@ that is safe because the backup cannot activate while this node holds the witnes
 
 The store never confirms anything while ``may_serve()`` is false (the fencing check):
 a node that lost its lease must not tell a client that a message is safe.
+
+Compaction: ``persist_later`` takes records encoded on the journal thread, at their place in
+the order (a checkpoint of a long backlog takes the event loop too long to encode), and
+``compact_before(journal, seq)`` deletes the sealed segments wholly before a sequence number
+(the CHECKPOINT_BEGIN of a durable checkpoint). When to checkpoint is the node's decision;
+the store never reads what the records mean.
 """
 
 from __future__ import annotations
@@ -26,19 +32,36 @@ import concurrent.futures
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from reference_broker.journal import Journal, Record
+from reference_broker.journal import CompactionReport, Journal, Record
 
-__all__ = ["FencedError", "Replica", "Store"]
+__all__ = ["FencedError", "Replica", "Store", "compact_before"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
+# What one persist call queued: its encoded records, or a function that encodes them.
+_Part = list[tuple[int, bytes]] | Callable[[], list[tuple[int, bytes]]]
+
+
 class FencedError(RuntimeError):
     """This node may no longer serve: another node holds the live role."""
+
+
+def compact_before(journal: Journal, seq: int) -> CompactionReport | None:
+    """Delete the journal's sealed segments whose records all come before `seq`.
+
+    Only for a `seq` at which a complete, durable checkpoint begins: recovery needs nothing
+    before it. Returns None without reading anything when no sealed segment qualifies
+    (`Journal.compact` reads every sealed segment, the checkpoint's included).
+    """
+    sealed = journal.segments[:-1]
+    if not any(segment.last_seq < seq for segment in sealed):
+        return None
+    return journal.compact(lambda record: record.seq >= seq)
 
 
 class Replica(Protocol):
@@ -62,11 +85,12 @@ class Store:
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="journal"
         )
-        self._pending: list[tuple[int, bytes]] = []
+        self._pending: list[_Part] = []  # one part per waiter whose seq is still -1
         self._flush_scheduled = False
         self._writing = False
-        # Futures waiting for durability, in sequence order: (seq, future).
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        # Futures waiting for durability, in sequence order: (seq, first seq, future, whether
+        # the future's result is that first seq). The seq is the last one of the batch.
+        self._waiters: deque[tuple[int, int, asyncio.Future[Any], bool]] = deque()
         self.local_seq = journal.last_seq
         self.replica: Replica | None = None  # fed every batch once a backup attaches
         self.synchronous = False  # the backup is synchronized: confirmations wait for it
@@ -83,55 +107,75 @@ class Store:
 
     def persist(self, records: Iterable[tuple[int, bytes]]) -> asyncio.Future[None]:
         """Queue encoded records; the future resolves when they are durable everywhere."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue(list(records), future, with_seq=False)
+        return future
+
+    def persist_later(self, encode: Callable[[], list[tuple[int, bytes]]]) -> asyncio.Future[int]:
+        """Like `persist`, for records that `encode` produces on the journal thread.
+
+        They take their place in the order now; the loop goes on serving while they are
+        encoded and written. `encode` must only read values that nothing changes meanwhile.
+        The future's result is the sequence number of the first record (0 if none).
+        """
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._queue(encode, future, with_seq=True)
+        return future
+
+    def _queue(self, part: _Part, future: asyncio.Future[Any], *, with_seq: bool) -> None:
         if self._closed:
             future.set_exception(FencedError("the store is closed"))
-            return future
-        self._pending.extend(records)
+            return
+        self._pending.append(part)
         # The future waits for every record submitted so far: its seq is the last one's,
         # known once the batch is written. Until then it waits on a placeholder seq.
-        self._waiters.append((-1, future))
+        self._waiters.append((-1, 0, future, with_seq))
         if not self._flush_scheduled and not self._writing:
             self._flush_scheduled = True
-            loop.call_soon(self._start_flush)
-        return future
+            asyncio.get_running_loop().call_soon(self._start_flush)
 
     def _start_flush(self) -> None:
         self._flush_scheduled = False
         if self._writing or self._closed:
             return
-        batch, self._pending = self._pending, []
-        # Every waiter queued before this flush belongs to this batch.
-        waiting = [i for i, (seq, _) in enumerate(self._waiters) if seq == -1]
+        # Every waiter queued before this flush belongs to this batch, one part each.
+        parts, self._pending = self._pending, []
         self._writing = True
-        asyncio.get_running_loop().create_task(self._flush(batch, len(waiting)))
+        asyncio.get_running_loop().create_task(self._flush(parts))
 
-    async def _flush(self, batch: list[tuple[int, bytes]], waiter_count: int) -> None:
+    async def _flush(self, parts: list[_Part]) -> None:
         try:
-            if batch:
+            firsts = [0] * len(parts)
+            if any(callable(part) or part for part in parts):
                 journal = self.journal
 
-                def write() -> tuple[int, list[Record]]:
+                def write() -> tuple[int, list[int], list[Record]]:
                     first = journal.last_seq + 1
+                    batch: list[tuple[int, bytes]] = []
+                    starts: list[int] = []
+                    for part in parts:
+                        encoded = part() if callable(part) else part
+                        starts.append(first + len(batch) if encoded else 0)
+                        batch += encoded
                     last = journal.append_many(batch)
                     journal.sync()
-                    return last, [
+                    records = [
                         Record(type=t, seq=first + i, payload=p) for i, (t, p) in enumerate(batch)
                     ]
+                    return last, starts, records
 
-                last, records = await self.run(write)
+                last, firsts, records = await self.run(write)
                 self.local_seq = last
-                if self.replica is not None:
+                if self.replica is not None and records:
                     self.replica.replicate(records)
             seq = self.local_seq
-            # Give this batch's waiters their sequence number.
+            # Give this batch's waiters their sequence numbers.
             assigned = 0
-            for index, (s, future) in enumerate(self._waiters):
+            for index, (s, _, future, with_seq) in enumerate(self._waiters):
                 if s == -1:
-                    self._waiters[index] = (seq, future)
+                    self._waiters[index] = (seq, firsts[assigned], future, with_seq)
                     assigned += 1
-                    if assigned == waiter_count:
+                    if assigned == len(parts):
                         break
         except Exception as exc:  # a failed write or fsync: nothing after it may be confirmed
             log.exception("journal write failed; the node stops confirming")
@@ -148,6 +192,11 @@ class Store:
     async def durable_barrier(self) -> None:
         """Wait until everything persisted so far is durable everywhere it must be."""
         await self.persist([])
+
+    async def compact_before(self, seq: int) -> CompactionReport | None:
+        """`compact_before` on the journal thread, after everything submitted before it."""
+        journal = self.journal
+        return await self.run(lambda: compact_before(journal, seq))
 
     # --- replication ----------------------------------------------------------------------
 
@@ -198,16 +247,16 @@ class Store:
             durable = min(durable, self.replica_seq)
         waiters = self._waiters
         while waiters:
-            seq, future = waiters[0]
+            seq, first, future, with_seq = waiters[0]
             if seq == -1 or seq > durable:
                 break
             waiters.popleft()
             if not future.done():
-                future.set_result(None)
+                future.set_result(first if with_seq else None)
 
     def _fail_all(self, error: Exception) -> None:
         while self._waiters:
-            _, future = self._waiters.popleft()
+            _, _, future, _ = self._waiters.popleft()
             if not future.done():
                 future.set_exception(error)
 

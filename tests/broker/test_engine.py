@@ -40,6 +40,8 @@ from reference_broker.message import (
     ResourceLockedError,
 )
 from reference_broker.records import (
+    CheckpointBegin,
+    CheckpointEnd,
     DeadLetter,
     DeliveryCount,
     DuplicateId,
@@ -49,6 +51,7 @@ from reference_broker.records import (
     QueueCreate,
     QueueDelete,
     Record,
+    RecordType,
     TxAck,
     TxAdd,
     TxCommit,
@@ -753,6 +756,135 @@ def test_recovery_skips_records_about_things_already_gone() -> None:
     assert engine.queues() == []
     assert engine.send(Q, b"") == 6
     assert engine.begin(engine.connect()) == 10
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def _busy(engine: Engine) -> tuple[int, int]:
+    """Queues with history: sends, acks, a nack, a dead letter, duplicate ids, a transaction;
+    returns (connection, CLIENT_INDIVIDUAL consumer on Q)."""
+    conn = engine.connect()
+    consumer = engine.subscribe(conn, Q, ack_mode=AckMode.CLIENT_INDIVIDUAL, window=3)
+    engine.subscribe(conn, T, subscription="s", ack_mode=AckMode.CLIENT, window=1)
+    for i in range(6):
+        engine.send(Q, b"%d" % i, persistent=True, duplicate_id=f"d{i}", priority=i % 2 * 5)
+        engine.send(T, b"t%d" % i, persistent=True)
+        engine.send(Q, b"np", persistent=False)
+    deliveries = [d for d in engine.poll(0.0) if d.consumer_id == consumer]
+    engine.ack(consumer, deliveries[0].tag)
+    engine.nack(consumer, deliveries[1].tag)
+    engine.settle(consumer, deliveries[2].tag, Outcome.REJECTED)
+    tx = engine.begin(conn)
+    engine.send(Q, b"in tx", persistent=True, tx=tx)
+    engine.commit(tx)
+    return conn, consumer
+
+
+def test_a_checkpoint_replaces_everything_before_it(engine: Engine) -> None:
+    _, consumer = _busy(engine)
+    before = engine.drain_records()
+    checkpoint = list(engine.take_checkpoint().records())
+    assert checkpoint[0] == CheckpointBegin(1)
+    assert checkpoint[-1] == CheckpointEnd(1)
+    assert checkpoint[1:-1] == engine.checkpoint()
+    for delivery in engine.poll(0.0):
+        if delivery.consumer_id == consumer:
+            engine.ack(consumer, delivery.tag)
+    engine.send(Q, b"after", persistent=True, duplicate_id="d9")
+    after = engine.drain_records()
+    state = engine.persistent_state()
+    assert recovered(engine, before + checkpoint + after).persistent_state() == state
+    # Compaction deletes whole segments: any cut at or before the BEGIN must do.
+    for cut in range(len(before) + 1):
+        journal = before[cut:] + checkpoint + after
+        assert recovered(engine, journal).persistent_state() == state
+    # Whatever came before the BEGIN is discarded, even records that contradict it.
+    noise: list[Record] = [QueueDelete(Q), MessageAck(Q, 1), TxAdd(77, (Q,), Message(99, Q, b""))]
+    assert recovered(engine, noise + checkpoint + after).persistent_state() == state
+    assert recovered(engine, [*checkpoint, TxCommit(77), *after]).persistent_state() == state
+
+
+def test_a_torn_checkpoint_is_ignored_until_the_next_one(engine: Engine) -> None:
+    _busy(engine)
+    before = engine.drain_records()
+    state = engine.persistent_state()
+    framed = list(engine.take_checkpoint().records())
+    for cut in range(1, len(framed)):
+        # The live died while writing the checkpoint: only a prefix reached the journal.
+        backup = recovered(engine, before + framed[:cut])
+        assert backup.persistent_state() == state
+        assert backup.torn_checkpoint
+        # The node writes a new checkpoint first; it supersedes the torn one.
+        fresh = list(backup.take_checkpoint().records())
+        assert not backup.torn_checkpoint
+        assert fresh[0] == CheckpointBegin(2)
+        backup.send(Q, b"later", persistent=True)
+        journal = before + framed[:cut] + fresh + backup.drain_records()
+        again = recovered(engine, journal)
+        assert again.persistent_state() == backup.persistent_state()
+        assert not again.torn_checkpoint
+    assert not recovered(engine, before + framed).torn_checkpoint
+
+
+def test_a_checkpoint_keeps_ids_and_duplicate_caches(engine: Engine) -> None:
+    conn, _ = _busy(engine)
+    engine.begin(conn)  # an open transaction burns its id
+    engine.send(Q, b"", persistent=False)  # so does a message never journaled
+    engine.drain_records()
+    checkpoint = list(engine.take_checkpoint().records())
+    backup = recovered(engine, checkpoint)
+    assert backup.persistent_state().duplicate_ids == engine.persistent_state().duplicate_ids
+    assert backup.send(Q, b"", persistent=True, duplicate_id="d3") is None
+    assert backup.send(Q, b"") == engine.send(Q, b"")
+    assert backup.begin(backup.connect()) == engine.begin(conn)
+    assert backup.take_checkpoint().checkpoint_id == engine.take_checkpoint().checkpoint_id == 2
+
+
+def test_a_checkpoint_between_a_transactions_operations(engine: Engine) -> None:
+    conn = engine.connect()
+    consumer = engine.subscribe(conn, Q, ack_mode=AckMode.CLIENT_INDIVIDUAL)
+    for i in range(3):
+        engine.send(Q, b"%d" % i, persistent=True)
+    deliveries = engine.poll(0.0)
+    tx = engine.begin(conn)
+    engine.ack(consumer, deliveries[0].tag, tx=tx)
+    engine.send(Q, b"tx-1", persistent=True, tx=tx, duplicate_id="x")
+    before = engine.drain_records()
+    assert not any(isinstance(r, TxAdd | TxAck) for r in before)  # nothing written yet
+    checkpoint = list(engine.take_checkpoint().records())
+    engine.send(Q, b"tx-2", persistent=True, tx=tx)
+    engine.ack(consumer, deliveries[1].tag, tx=tx)
+    engine.commit(tx)
+    after = engine.drain_records()
+    state = engine.persistent_state()
+    assert [m.message.body for m in state.queues[Q].messages] == [b"2", b"tx-1", b"tx-2"]
+    assert recovered(engine, before + checkpoint + after).persistent_state() == state
+    assert recovered(engine, checkpoint + after).persistent_state() == state
+    # Torn after the commit's records but before its TX_COMMIT: the checkpoint stands alone.
+    assert recovered(engine, checkpoint + after[:-1]).persistent_state() == (
+        recovered(engine, checkpoint).persistent_state()
+    )
+
+
+def test_checkpoint_frames_that_do_not_match_are_skipped() -> None:
+    add = MessageAdd((Q,), Message(5, Q, b"kept", persistent=True))
+    stray: list[Record] = [QueueCreate(Q, Q), add, CheckpointEnd(4)]
+    assert Engine.recover(stray).persistent_state().queues[Q].messages[0].message == add.message
+    # An END for another id does not complete the open checkpoint.
+    mismatched: list[Record] = [*stray, CheckpointBegin(6), QueueCreate("queue://x", "queue://x")]
+    engine = Engine.recover([*mismatched, CheckpointEnd(5)])
+    assert engine.torn_checkpoint
+    assert engine.queues() == [Q]
+    assert engine.take_checkpoint().checkpoint_id == 7
+
+
+def test_take_checkpoint_wants_the_records_drained_first(engine: Engine) -> None:
+    engine.send(Q, b"", persistent=True)
+    with pytest.raises(InvalidRequestError, match="not drained"):
+        engine.take_checkpoint()
+    engine.drain_records()
+    assert engine.take_checkpoint().checkpoint_id == 1
 
 
 # --- errors and validation --------------------------------------------------------------------
@@ -1492,18 +1624,49 @@ class EngineMachine(RuleBasedStateMachine):
         if then_poll:
             self._poll()
 
-    @precondition(lambda self: self.journal)
     @rule(roll=st.integers(min_value=0, max_value=3))
-    def crash_and_recover(self, roll: int) -> None:
-        """The live dies; a backup recovers from the journal and carries on."""
+    def checkpoint(self, roll: int) -> None:
+        """The live checkpoints into its journal, wherever the other rules left things
+        (open transactions, messages in flight)."""
+        if roll:
+            return  # one draw in four at most, as for crashes
+        self._drain()
+        self.journal.extend(self.engine.take_checkpoint().encode())
+        event("checkpoint")
+
+    def _last_begin(self) -> int | None:
+        begins = [i for i, (t, _) in enumerate(self.journal) if t == RecordType.CHECKPOINT_BEGIN]
+        return begins[-1] if begins else None
+
+    @precondition(lambda self: self.journal)
+    @rule(roll=st.integers(min_value=0, max_value=3), data=st.data())
+    def crash_and_recover(self, roll: int, data: st.DataObject) -> None:
+        """The live dies (maybe while writing a checkpoint, maybe after its journal was
+        compacted); a backup recovers from the journal and carries on."""
         if roll:
             return  # a crash on every fourth draw at most: the rest of the rules need time
+        compact = self._last_begin()
+        if compact is not None and data.draw(st.booleans()):
+            # Compaction deleted whole segments: the journal starts anywhere up to the BEGIN.
+            del self.journal[: data.draw(st.integers(min_value=0, max_value=compact))]
+            event("crash after compaction")
+        torn = data.draw(st.booleans())
+        if torn:
+            self._drain()
+            framed = self.engine.take_checkpoint().encode()
+            self.journal.extend(framed[: data.draw(st.integers(1, len(framed) - 1))])
+            event("crash in a checkpoint")
         records = [decode(t, p) for t, p in self.journal]
         before = self.engine.persistent_state()
         if any(q.messages for q in before.queues.values()):
             event("crash with messages stored")
         self.engine = Engine.recover(records, self.config)
         assert self.engine.persistent_state() == before
+        assert self.engine.torn_checkpoint == torn
+        if torn:
+            # As the node does before serving: what follows a torn checkpoint would be read
+            # as part of it, so a new checkpoint goes first.
+            self.journal.extend(self.engine.take_checkpoint().encode())
         survivors: dict[str, list[MEntry]] = {}
         for queue in list(self.queues.values()):
             entries = self._stored(queue)
@@ -1526,6 +1689,8 @@ class EngineMachine(RuleBasedStateMachine):
                 seen.append(record.message.id)
             elif isinstance(record, DeadLetter):
                 seen.append(record.new_message_id)
+            elif isinstance(record, IdWatermark):
+                seen.append(record.next_message_id - 1)
         self.next_id = max(seen) + 1
 
     # --- invariants ---
@@ -1582,6 +1747,17 @@ class EngineMachine(RuleBasedStateMachine):
         assert Engine.recover(records, self.config).persistent_state() == state
         checkpoint = [decode(*r.encode()) for r in self.engine.checkpoint()]
         assert Engine.recover(checkpoint, self.config).persistent_state() == state
+        # What compaction keeps, from the last complete CHECKPOINT_BEGIN on, is enough.
+        begin = self._last_begin()
+        if begin is not None:
+            suffix = Engine.recover(records[begin:], self.config)
+            assert suffix.persistent_state() == state
+            assert not suffix.torn_checkpoint
+        # A checkpoint torn at the tail changes nothing.
+        torn = [*records, CheckpointBegin(2**40), *checkpoint[: len(checkpoint) // 2 + 1]]
+        recovered_torn = Engine.recover(torn, self.config)
+        assert recovered_torn.persistent_state() == state
+        assert recovered_torn.torn_checkpoint
 
 
 TestEngineMachine = EngineMachine.TestCase

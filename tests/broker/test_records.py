@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from reference_broker.message import BrokerError, Message
 from reference_broker.records import (
     ENGINE_RECORD_TYPES,
+    CheckpointBegin,
+    CheckpointEnd,
     DeadLetter,
     DeliveryCount,
     DuplicateId,
@@ -65,6 +67,8 @@ records: st.SearchStrategy[Record] = st.one_of(
     st.builds(TxCommit, U64),
     st.builds(TxRollback, U64),
     st.builds(IdWatermark, U64, U64),
+    st.builds(CheckpointBegin, U64),
+    st.builds(CheckpointEnd, U64),
 )
 
 
@@ -132,6 +136,8 @@ def test_record_error_is_a_broker_error_and_a_value_error() -> None:
         (RecordType.QUEUE_DELETE, b"\x05\x00ab", "queue name needs 5 bytes"),
         (RecordType.QUEUE_DELETE, b"\x01\x00\xff", "corrupt QUEUE_DELETE record"),
         (RecordType.TX_ROLLBACK, b"\x00" * 9, "1 unexpected bytes after the record"),
+        (RecordType.CHECKPOINT_BEGIN, b"\x01", "corrupt CHECKPOINT_BEGIN record"),
+        (RecordType.CHECKPOINT_END, b"", "checkpoint id needs 8 bytes"),
     ],
 )
 def test_decode_errors_say_what_was_wrong(record_type: int, payload: bytes, words: str) -> None:
@@ -197,6 +203,9 @@ def test_encoding_is_stable() -> None:
     )
     assert MessageAck("q", 258).encode() == (0x23, b"\x01\x00q\x02\x01\x00\x00\x00\x00\x00\x00")
     assert TxCommit(1).encode() == (0x2A, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    assert CheckpointBegin(3).encode() == (0x2D, b"\x03\x00\x00\x00\x00\x00\x00\x00")
+    assert CheckpointEnd(2**40 + 258).encode() == (0x2E, b"\x02\x01\x00\x00\x00\x01\x00\x00")
+    assert decode(0x2E, b"\x02\x01\x00\x00\x00\x01\x00\x00") == CheckpointEnd(2**40 + 258)
 
 
 @pytest.mark.parametrize(
@@ -208,6 +217,8 @@ def test_encoding_is_stable() -> None:
         MessageAck("q", 2**64),
         DeliveryCount("q", 1, 2**32),
         TxCommit(-5),
+        CheckpointBegin(-1),
+        CheckpointEnd(2**64),
         MessageAdd(("q",), Message(1, "q", b"", priority=10)),
         TxAdd(1, ("q",), Message(1, "q", b"", expiration=math.nan)),
     ],
