@@ -222,3 +222,5 @@ class ProtocolError(RemoteError):
     """The broker sent something the client cannot accept, or an ERROR frame."""
 
     code = ErrorCode.PROTOCOL
+    # STOMP: the receipt id of the frame the broker refused, when it asked for one.
+    receipt_id: str | None = None

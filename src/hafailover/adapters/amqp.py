@@ -690,6 +690,15 @@ class AmqpTransport:
         )
         return destination
 
+    def alias_temporary_queue(self, alias: Destination, created: Destination) -> None:
+        """Let ``alias`` (a temporary queue of an earlier connection) name ``created``, so an
+        application's destination keeps working after a reconnect recreated it (F5)."""
+        with self._lock:
+            address = self._temporary.get(created)
+            if address is None:
+                raise IllegalStateError(f"{created} is not a temporary queue of this connection")
+            self._temporary[alias] = address
+
     def delete_temporary_queue(self, destination: Destination) -> None:
         self._submit(_Command(partial(self._delete_temporary_now, destination)))
 

@@ -151,7 +151,7 @@ class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
 
     def on_error(self, frame: Any) -> None:
         message = frame.headers.get("message", "") or str(frame.body)
-        self._transport._failed(message)
+        self._transport._failed(message, frame.headers.get("receipt-id"))
 
     def on_disconnected(self) -> None:
         self._transport._lost("connection closed")
@@ -274,12 +274,14 @@ class StompTransport:
         self._connected_headers = headers
         self._opened.set()
 
-    def _failed(self, message: str) -> None:
+    def _failed(self, message: str, receipt_id: str | None = None) -> None:
         if not self._opened.is_set():
             self._error = message
             self._opened.set()
             return
-        self.events.on_error(ProtocolError(f"{self._broker_text()}: {message}"))
+        error = ProtocolError(f"{self._broker_text()}: {message}")
+        error.receipt_id = receipt_id  # the frame that caused it, when it asked for a receipt
+        self.events.on_error(error)
 
     def _lost(self, reason: str) -> None:
         with self._lock:
