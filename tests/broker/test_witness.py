@@ -721,6 +721,7 @@ class NodeModel:
     op: Steps | None = None  # the operation under way, stopped between two actions
     op_kind: str = ""
     op_activation: int | None = None
+    op_stale: bool = False  # the operation began on an activation the node no longer held
     op_to: NodeModel | None = None
 
 
@@ -794,6 +795,7 @@ class Model:
             if activation is None:
                 return False  # never held one: nothing to renew (never guess a number)
             me.op, me.op_activation = w.renew_steps(me.name, activation, now=now), activation
+            me.op_stale = me.activation != activation
         elif kind == "hand_over":
             if me.activation is None or to.name == me.name:
                 return False
@@ -829,10 +831,14 @@ class Model:
                 assert decision.outcome is Outcome.HELD
                 assert decision.retry_at is not None
         elif kind == "renew":
+            # A renewal of an activation the node had given up or lost when it began must fail.
+            # One may still succeed when the node was handed a newer activation while it ran:
+            # its check for a claim above came before that claim. Its lease is then checked
+            # against every other like any lease (the node would drop it for the newer one).
             stale = me.activation != me.op_activation
             if decision.outcome is Outcome.RENEWED:
                 assert decision.lease is not None
-                assert not stale, "a renewal of an activation given up or lost succeeded"
+                assert not me.op_stale, "a renewal of an activation given up or lost succeeded"
                 old = me.lease
                 if old is not None and old.activation == decision.lease.activation:
                     assert decision.lease.serve_until >= old.serve_until
@@ -930,6 +936,18 @@ RACE_TIMING = Timing(1.0, 0.2, 0.2)
         ("act", "b", "activate", 0.0, "a1", 100),  # so must b, after the release
         ("boundary", 0),
         ("act", "a1", "renew", 0.0, "a1", 100),
+    ],
+)
+@example(  # the holder is handed a newer activation while its renewal of the old one ends
+    timing_a=RACE_TIMING,
+    timing_b=RACE_TIMING,
+    steps=[
+        ("act", "b", "activate", 0.0, "b", 100),
+        ("act", "b", "renew", 0.0, "b", 5),  # wrote lease-1, found no claim 2: passed
+        ("advance", 1.5),  # b stopped past its lease + grace
+        ("act", "a1", "activate", 0.0, "b", 100),  # claims 2
+        ("act", "a1", "hand_over", 0.0, "b", 100),  # claims 3 for b: the handshake
+        ("act", "b", "renew", 0.0, "b", 100),  # b's renewal of 1 ends: RENEWED, and harmless
     ],
 )
 @example(  # a holder stops between writing its lease and checking; a hand-over follows
