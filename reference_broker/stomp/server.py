@@ -402,6 +402,9 @@ class StompConnection(asyncio.Protocol):
             raise InvalidRequestError(f"subscription id {sub_id!r} is already in use")
         if frame.get("selector"):
             raise InvalidRequestError("message selectors are not supported by this broker")
+        if frame.get("browser") == "true":
+            self._browse(sub_id, destination, session, frame)
+            return
         ack_text = frame.get("ack", "auto")
         ack_mode = _ACK_MODES.get(ack_text)
         if ack_mode is None:
@@ -436,6 +439,37 @@ class StompConnection(asyncio.Protocol):
         receipt = frame.get("receipt")
         if receipt is not None:
             self._send_receipt(receipt, durable=True)
+
+    def _browse(self, sub_id: str, destination: str, session: StompSession, frame: Frame) -> None:
+        """A queue browser (ActiveMQ's ``browser:true``): a snapshot of the waiting messages,
+        each a MESSAGE with no ack, then one MESSAGE with ``browser:end`` and no body. The
+        subscription ends with the snapshot: nothing is consumed and nothing needs an ack."""
+        address = stomp_destination(destination, session)
+        if address.startswith("topic://"):
+            raise InvalidRequestError(f"only queues can be browsed, not {destination}")
+        receipt = frame.get("receipt")
+        if receipt is not None:
+            self._send_receipt(receipt, durable=False)
+        for message in (
+            self.core.engine.browse(address) if address in self.core.engine.queues() else []
+        ):
+            own = [
+                ("subscription", sub_id),
+                ("message-id", f"{self.core.config.node_id}:{message.id}"),
+                ("destination", _reply_destination(message.address)),
+                ("persistent", "true" if message.persistent else "false"),
+                ("priority", str(message.priority)),
+            ]
+            block = b"".join(encode_header(k, v) for k, v in own)
+            user = b"".join(
+                encode_header(k, v) for k, v in message.headers.items() if k != "content-length"
+            )
+            self._write(encode_message(message.body, block, user))
+        end = b"".join(
+            encode_header(k, v)
+            for k, v in (("subscription", sub_id), ("destination", destination), ("browser", "end"))
+        )
+        self._write(encode_message(b"", end, b""))
 
     def _on_unsubscribe(self, frame: Frame, session: StompSession) -> None:
         sub_id = frame.get("id")

@@ -45,6 +45,8 @@ class LinkEvents(Protocol):
 
     def link_error(self, link: Link, error: ProtocolError) -> None: ...
 
+    def link_browse_end(self, link: Link, subscription: str) -> None: ...
+
     def link_lost(self, link: Link, reason: str) -> None: ...
 
 
@@ -78,6 +80,10 @@ class Link(Protocol):
         ...
 
     def unsubscribe(self, subscription: str) -> None: ...
+
+    def browse(self, subscription: str, queue: Destination) -> None:
+        """Copy a queue's waiting messages (blocking on AMQP); ``link_browse_end`` follows."""
+        ...
 
     def acknowledge(self, subscription: str, tag: str, *, tx: object, token: int | None) -> None:
         """Accept one delivery (inside ``tx`` when given)."""
@@ -196,6 +202,13 @@ class StompLink:
     def unsubscribe(self, subscription: str) -> None:
         self._write("UNSUBSCRIBE", {"id": subscription})
 
+    def browse(self, subscription: str, queue: Destination) -> None:
+        # ActiveMQ's convention: a snapshot, then a MESSAGE with browser:end and no body.
+        self._write(
+            "SUBSCRIBE",
+            {"destination": queue.stomp, "id": subscription, "ack": "auto", "browser": "true"},
+        )
+
     def acknowledge(self, subscription: str, tag: str, *, tx: object, token: int | None) -> None:
         headers = {"id": tag}
         if tx is not None:
@@ -241,6 +254,9 @@ class _StompEvents:
         self._events = link.events
 
     def on_message(self, subscription: str, ack_id: str, message: Message) -> None:
+        if message.message_id is None and message.properties.get("browser") == "end":
+            self._events.link_browse_end(self._link, subscription)
+            return
         self._events.link_message(self._link, subscription, ack_id, message)
 
     def on_receipt(self, receipt_id: str) -> None:
@@ -314,6 +330,11 @@ class AmqpLink:
     def unsubscribe(self, subscription: str) -> None:
         self._transport.unsubscribe(subscription)
 
+    def browse(self, subscription: str, queue: Destination) -> None:
+        self._transport.subscribe(
+            subscription, queue, credit=200, settle_on_delivery=True, browse=True
+        )
+
     def acknowledge(self, subscription: str, tag: str, *, tx: object, token: int | None) -> None:
         self._transport.settle(int(tag), Outcome.ACCEPTED, tx=_transaction(tx))
         if token is not None:
@@ -376,6 +397,9 @@ class _AmqpEvents:
 
     def on_lost(self, reason: str) -> None:
         self._events.link_lost(self._link, reason)
+
+    def on_browse_end(self, subscription: str) -> None:
+        self._events.link_browse_end(self._link, subscription)
 
 
 def make_link(

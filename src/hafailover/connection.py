@@ -44,7 +44,9 @@ from hafailover.ack_modes import (
     AckMode,
     AckRules,
     ClientAckRules,
+    LinkReliability,
     TransactedAckRules,
+    check_link_reliability,
     rules_for,
 )
 from hafailover.adapters.base import Opened
@@ -296,6 +298,7 @@ class Connection:
         self._pending: dict[int, _Pending] = {}
         self._tokens = itertools.count(1)
         self._sessions: dict[int, Session] = {}
+        self._browsing: dict[str, Browser] = {}  # browse subscription -> its browser
         self._session_ids = itertools.count(1)
         self._subscription_ids = itertools.count(1)
         self._started = False
@@ -778,6 +781,11 @@ class Connection:
         with self._cond:
             if link is not self._link:
                 return  # a late delivery of a link replaced by a failover
+            browser = self._browsing.get(subscription)
+            if browser is not None:
+                browser._buffer.append(message)
+                self._cond.notify_all()
+                return
             for session in self._sessions.values():
                 consumer = session._by_subscription.get(subscription)
                 if consumer is not None:
@@ -813,6 +821,13 @@ class Connection:
                     upto,
                 )
 
+    def link_browse_end(self, link: Any, subscription: str) -> None:
+        with self._cond:
+            browser = self._browsing.get(subscription)
+            if browser is not None and link is self._link:
+                browser._ended = True
+                self._cond.notify_all()
+
     def link_error(self, link: Any, error: ProtocolError) -> None:
         log.warning("%s", error)
         self._notify_all(None, error)
@@ -829,6 +844,8 @@ class Connection:
             self._lost_reason = reason
             self._lost_from = current.broker.redacted()
             log.warning("connection to %s lost: %s; failing over", self._lost_from, reason)
+            for browser in self._browsing.values():
+                browser._invalidate()  # F11: the rest of its snapshot died with the link
             effects = self._machine.handle(Lost(reason))
             self._notify_all(FailureDetected(self._lost_from, reason), None)
             after = self._apply(effects)
@@ -974,6 +991,7 @@ class Session:
         self._closed = False
         self._dispatcher: threading.Thread | None = None
         self._browsers: list[Browser] = []
+        self._auto_ack: SendCompletion | None = None  # AUTO: the last acknowledge, in flight
 
     @property
     def transacted(self) -> bool:
@@ -1009,9 +1027,12 @@ class Session:
         *,
         selector: str | None = None,
         prefetch: int = DEFAULT_PREFETCH,
+        reliability: LinkReliability | None = None,
     ) -> Consumer:
-        """A consumer of a queue, topic or temporary queue."""
+        """A consumer of a queue, topic or temporary queue. ``reliability`` (Qpid's link
+        reliability) must agree with the session's ack mode (F14)."""
         self._check_open()
+        check_link_reliability(self.ack_mode, reliability)
         if selector is not None and not self.connection.policy.brokers[0].scheme.startswith(
             "stomp"
         ):
@@ -1361,6 +1382,10 @@ class Session:
                                 item = None
                     if item is None:
                         connection._cond.wait(0.5)
+            try:
+                self._confirm_last_ack()
+            except HaFailoverError as exc:
+                connection._notify_all(None, exc)
             consumer, message = item
             listener = consumer._listener
             assert message is not None
@@ -1373,6 +1398,19 @@ class Session:
                 consumer._after_delivery(message)
             except HaFailoverError as exc:
                 connection._notify_all(None, exc)  # F6: a listener's ack failure is reported
+
+    def _confirm_last_ack(self) -> None:
+        """AUTO: the previous delivery's acknowledge must be confirmed before the next one."""
+        completion, self._auto_ack = self._auto_ack, None
+        if completion is None:
+            return
+        try:
+            completion.result()
+        except (UnblockedError, NotConnectedError, CallTimeoutError) as exc:
+            raise AcknowledgeFailedError(
+                f"the acknowledge of the previous message was not confirmed ({exc}); "
+                "that message may be delivered again"
+            ) from exc
 
     def _join(self) -> None:
         thread = self._dispatcher
@@ -1653,10 +1691,21 @@ class Consumer:
                         "the acknowledge could not be sent: the connection is failing over; "
                         "the message may be delivered again"
                     )
+                # AUTO confirms each acknowledge before the next delivery (F6: only the
+                # last delivered message may come again); DUPS_OK does not wait (F7).
+                confirm = session.ack_mode is AckMode.AUTO
                 for tag in decision.tags:
                     subscription = session._tag_subscriptions.pop(tag, self.subscription)
+                    token = None
+                    if confirm:
+                        completion = SendCompletion(connection, None)
+                        token = connection._register(_Pending(_KIND_CALL, completion, session, -1))
+                        connection._pending[token].command_id = (
+                            connection._window.next_id if link.windowed else -1
+                        )
+                        session._auto_ack = completion
                     try:
-                        link.acknowledge(subscription, tag, tx=None, token=None)
+                        link.acknowledge(subscription, tag, tx=None, token=token)
                     except HaFailoverError as exc:
                         connection._io_failed(link, exc)
                         raise AcknowledgeFailedError(
@@ -1694,6 +1743,7 @@ class Consumer:
             )
         connection = session.connection
         deadline = None if timeout is None else time.monotonic() + timeout
+        session._confirm_last_ack()
         with connection._cond:
             while True:
                 if self._closed or session._closed:
@@ -1753,12 +1803,15 @@ class Consumer:
 class Browser:
     """Iterates over a queue's waiting messages without consuming them.
 
-    A failover during iteration raises BrowserInvalidatedError (F11): the rest of the
-    snapshot is gone and iterating silently to the end would lie."""
+    Each iteration takes a fresh snapshot. A failover during iteration raises
+    BrowserInvalidatedError (F11): the rest of the snapshot is gone, and iterating silently
+    to the end would lie about what the queue holds."""
 
     def __init__(self, session: Session, queue: Destination) -> None:
         self.session = session
         self.queue = queue
+        self._buffer: collections.deque[Message] = collections.deque()
+        self._ended = False
         self._invalid = False
         self._iterating = False
 
@@ -1767,24 +1820,45 @@ class Browser:
             self._invalid = True
 
     def __iter__(self) -> Iterator[Message]:
-        connection = self.session.connection
+        session = self.session
+        session._check_open()
+        connection = session.connection
         with connection._cond:
             link = connection._admit(connection._failover_deadline())
-            self._invalid = False
+            subscription = f"browse-{next(connection._subscription_ids)}"
+            self._buffer.clear()
+            self._ended = self._invalid = False
             self._iterating = True
+            connection._browsing[subscription] = self
+            if not isinstance(link, AmqpLink):
+                link.browse(subscription, self.queue)
         try:
-            for message in link.browse(self.queue, idle=self._check):  # type: ignore[union-attr]
-                self._check()
+            if isinstance(link, AmqpLink):
+                link.browse(subscription, self.queue)
+            while True:
+                with connection._cond:
+                    while not (self._buffer or self._ended or self._invalid):
+                        session._check_open()
+                        connection._cond.wait(1.0)
+                    if self._invalid:
+                        raise BrowserInvalidatedError(
+                            f"the connection failed over while browsing {self.queue}; browse again"
+                        )
+                    if not self._buffer:
+                        return
+                    message = self._buffer.popleft()
                 yield message
-            self._check()
+        except (NotConnectedError, UnblockedError) as exc:
+            raise BrowserInvalidatedError(f"browsing {self.queue} failed: {exc}") from exc
         finally:
-            self._iterating = False
+            with connection._cond:
+                self._iterating = False
+                connection._browsing.pop(subscription, None)
 
-    def _check(self) -> None:
-        if self._invalid:
-            raise BrowserInvalidatedError(
-                f"the connection failed over while browsing {self.queue}; browse again"
-            )
+    def messages(self) -> list[Message]:
+        """The whole snapshot as a list."""
+        return list(self)
 
     def close(self) -> None:
-        self._iterating = False
+        with self.session.connection._cond:
+            self._iterating = False

@@ -159,6 +159,8 @@ class AmqpEvents(Protocol):
 
     def on_lost(self, reason: str) -> None: ...
 
+    def on_browse_end(self, subscription: str) -> None: ...
+
 
 # --- errors: proton's exceptions and conditions become ours, here and nowhere else -----------
 
@@ -438,7 +440,7 @@ class _State(enum.Enum):
 
 
 class _Subscription:
-    __slots__ = ("attaching", "credit", "destination", "durable", "link", "name")
+    __slots__ = ("attaching", "browse", "credit", "destination", "durable", "link", "name")
 
     def __init__(
         self,
@@ -449,7 +451,9 @@ class _Subscription:
         *,
         durable: bool,
         attaching: _Waiter[None],
+        browse: bool = False,
     ) -> None:
+        self.browse = browse  # a queue browser: distribution-mode copy, drained to the end
         self.name = name
         self.link = link
         self.destination = destination
@@ -651,10 +655,13 @@ class AmqpTransport:
         settle_on_delivery: bool,
         durable_name: str | None = None,
         timeout: float | None = None,
+        browse: bool = False,
     ) -> None:
         """Attach a receiver and wait until the broker has; then messages arrive as
         ``on_message``. ``settle_on_delivery``: the broker settles as it sends (at most
-        once); else each delivery waits for ``settle``. ``credit`` is kept outstanding."""
+        once); else each delivery waits for ``settle``. ``credit`` is kept outstanding.
+        ``browse``: copy the queue's waiting messages without consuming them, then
+        ``on_browse_end`` once the broker has drained the link."""
         if isinstance(credit, bool) or not isinstance(credit, int) or credit < 1:
             raise ConfigurationError(f"credit must be a whole number of at least 1, not {credit!r}")
         address = self._address(destination)
@@ -668,6 +675,7 @@ class AmqpTransport:
                 credit,
                 settle_on_delivery,
                 durable_name,
+                browse,
             ),
             timeout,
         )
@@ -894,6 +902,7 @@ class AmqpTransport:
         credit: int,
         settle_on_delivery: bool,
         durable_name: str | None,
+        browse: bool,
         waiter: _Waiter[None],
     ) -> None:
         if subscription_id in self._subscriptions:
@@ -904,7 +913,9 @@ class AmqpTransport:
         if durable_name is not None:
             link.source.durability = Terminus.DELIVERIES
             link.source.expiry_policy = Terminus.EXPIRE_NEVER
-        if settle_on_delivery:
+        if browse:
+            link.source.distribution_mode = Terminus.DIST_MODE_COPY
+        if settle_on_delivery or browse:
             link.snd_settle_mode = Link.SND_SETTLED
         else:
             link.snd_settle_mode = Link.SND_UNSETTLED
@@ -916,6 +927,7 @@ class AmqpTransport:
             credit,
             durable=durable_name is not None,
             attaching=waiter,
+            browse=browse,
         )
         self._subscriptions[subscription_id] = subscription
         self._link_subscription[link] = subscription
@@ -1165,7 +1177,10 @@ class AmqpTransport:
             self._pending.discard(waiter)
             if waiter.succeed(None):
                 assert isinstance(link, Receiver)
-                link.flow(subscription.credit)
+                if subscription.browse:
+                    link.drain(subscription.credit)
+                else:
+                    link.flow(subscription.credit)
             else:  # subscribe() gave up waiting
                 self._forget_subscription(subscription)
                 link.close()
@@ -1290,8 +1305,22 @@ class AmqpTransport:
         else:
             self._incoming[token] = (delivery, subscription)
         if link.credit <= subscription.credit // 2:
-            link.flow(subscription.credit - link.credit)
+            if subscription.browse:
+                link.drain(subscription.credit - link.credit)
+            else:
+                link.flow(subscription.credit - link.credit)
         self._emit(self.events.on_message, subscription.name, token, message)
+
+    def _link_flow(self, link: Link) -> None:
+        subscription = self._link_subscription.get(link)
+        if subscription is None or not subscription.browse or subscription.attaching is not None:
+            return
+        assert isinstance(link, Receiver)
+        if link.credit == 0 and not link.draining():
+            # The broker drained the link: the snapshot is over. The link has done its job.
+            self._forget_subscription(subscription)
+            link.close()
+            self._emit(self.events.on_browse_end, subscription.name)
 
     def _sent_settled(self, link: Link, delivery: Delivery) -> None:
         token = self._outgoing.get(delivery)
@@ -1435,6 +1464,11 @@ class _Handler(proton.Handler):
 
     def on_link_remote_detach(self, event: Event) -> None:
         self.on_link_remote_close(event)
+
+    def on_link_flow(self, event: Event) -> None:
+        link = event.link
+        if link is not None:
+            self._transport._link_flow(link)
 
     def on_delivery(self, event: Event) -> None:
         delivery = event.delivery
