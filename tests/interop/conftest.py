@@ -11,13 +11,24 @@ The session fixture ``rabbitmq`` makes a RabbitMQ node available on loopback and
 Ports come from ``HAFAILOVER_RABBITMQ_AMQP_PORT`` (5672) and ``HAFAILOVER_RABBITMQ_STOMP_PORT``
 (61613), the same variables the script reads. When RabbitMQ cannot be had, the tests skip with
 the reason, except in CI (``CI=true``), where they fail.
+
+The fixture ``rabbitmq_control`` disrupts that node for failover tests: ``restart()`` stops and
+starts the RabbitMQ application inside the running Erlang VM (``rabbitmqctl stop_app`` and
+``start_app``: every connection is closed, non-durable queues are deleted, durable ones and
+their persistent messages are recovered from disk, exactly as after a full node restart, but in
+2-5 s instead of 10), and ``paused()`` freezes the node with SIGSTOP (a broker that stops
+answering without closing anything) until the block ends. It needs the node this project
+starts, so it is unavailable with ``HAFAILOVER_RABBITMQ_HOST``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "rabbitmq.sh"
 IN_CI = os.environ.get("CI", "").lower() == "true"
+DATA_DIR = Path(os.environ.get("HAFAILOVER_RABBITMQ_DATA_DIR", str(ROOT / ".data" / "rabbitmq")))
 # installing from Debian's mirrors can take a while; the start itself is bounded by the script
 ENSURE_TIMEOUT_S = float(os.environ.get("HAFAILOVER_RABBITMQ_ENSURE_TIMEOUT", "900"))
 
@@ -129,3 +141,65 @@ def rabbitmq() -> Iterator[RabbitMQ]:
     yield broker
     if started_here and os.environ.get("HAFAILOVER_RABBITMQ_KEEP") != "1":
         _script("stop", 120)
+
+
+class RabbitMQControl:
+    """Restart or pause the project's RabbitMQ node (see the module's docstring)."""
+
+    def __init__(self, broker: RabbitMQ) -> None:
+        self.broker = broker
+
+    def _ctl(self, *args: str) -> None:
+        done = subprocess.run(
+            ["bash", str(SCRIPT), "ctl", *args],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        ports = (self.broker.stomp_port, self.broker.amqp_port)
+        while not all(_port_open(self.broker.host, port, 0.5) for port in ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"RabbitMQ did not reopen its ports within {timeout}s")
+            time.sleep(0.1)
+
+    def restart(self) -> float:
+        """Stop and start the broker; return how long it was away, in seconds."""
+        began = time.monotonic()
+        try:
+            self._ctl("stop_app")
+        finally:
+            # started again even if the stop failed half-way, so later tests find a broker
+            self._ctl("start_app")
+        self.wait_ready()
+        return time.monotonic() - began
+
+    def _pid(self) -> int:
+        return int((DATA_DIR / "rabbitmq.pid").read_text().strip())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP the node for the block; SIGCONT it after, whatever happens."""
+        pid = self._pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        self.wait_ready()
+
+
+@pytest.fixture
+def rabbitmq_control(rabbitmq: RabbitMQ) -> RabbitMQControl:
+    if os.environ.get("HAFAILOVER_RABBITMQ_HOST"):
+        _unavailable("HAFAILOVER_RABBITMQ_HOST names a broker these tests cannot restart")
+    if not (DATA_DIR / "rabbitmq.pid").is_file():
+        _unavailable(f"no node of this project runs from {DATA_DIR}")
+    return RabbitMQControl(rabbitmq)
