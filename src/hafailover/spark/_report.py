@@ -1,0 +1,125 @@
+"""Per-batch figures: the commit message each task returns and the driver's summary of them.
+
+Each write task returns a ``SinkCommit`` (Spark pickles it back to the driver); the
+driver folds a batch's commits into one ``BatchReport``, logs it on the ``hafailover.spark``
+logger, and, with the ``commit_log`` option, appends it as one JSON line to a file that
+programs can read. Values only, and the one place that formats them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql.datasource import WriterCommitMessage
+
+from hafailover.spark._worker import PartitionResult
+
+__all__ = ["BatchReport", "SinkCommit", "log_report"]
+
+logger = logging.getLogger("hafailover.spark")
+
+
+@dataclass(frozen=True)
+class SinkCommit(WriterCommitMessage):
+    """The commit message of one write task."""
+
+    result: PartitionResult
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What one batch (a micro-batch, or a whole batch write) did at the broker."""
+
+    sink_id: str
+    batch_id: str
+    committed: bool  # False: Spark aborted the batch (a task failed for good)
+    tasks: int
+    failed_tasks: int  # tasks without a commit message (they failed)
+    retried_tasks: int  # tasks that succeeded on an attempt after the first
+    rows: int
+    sent: int
+    confirmed: int
+    failovers: int
+    replayed: int
+    resent: int
+    in_doubt: int
+
+    @classmethod
+    def from_results(
+        cls,
+        results: Sequence[PartitionResult | None],
+        *,
+        committed: bool,
+        batch_id: str | None = None,
+        sink_id: str | None = None,
+    ) -> BatchReport:
+        done = [r for r in results if r is not None]
+        first = done[0] if done else None
+        return cls(
+            sink_id=sink_id or (first.sink_id if first else "?"),
+            batch_id=batch_id if batch_id is not None else (first.batch_id if first else "?"),
+            committed=committed,
+            tasks=len(results),
+            failed_tasks=len(results) - len(done),
+            retried_tasks=sum(1 for r in done if r.attempt > 0),
+            rows=sum(r.rows for r in done),
+            sent=sum(r.sent for r in done),
+            confirmed=sum(r.confirmed for r in done),
+            failovers=sum(r.failovers for r in done),
+            replayed=sum(r.replayed for r in done),
+            resent=sum(r.resent for r in done),
+            in_doubt=sum(r.in_doubt for r in done),
+        )
+
+    @classmethod
+    def from_commits(
+        cls,
+        messages: Sequence[WriterCommitMessage | None],
+        *,
+        committed: bool,
+        batch_id: str | None = None,
+    ) -> BatchReport:
+        results = [m.result if isinstance(m, SinkCommit) else None for m in messages]
+        return cls.from_results(results, committed=committed, batch_id=batch_id)
+
+    def summary(self) -> str:
+        outcome = "committed" if self.committed else "ABORTED"
+        return (
+            f"hafailover sink {self.sink_id} batch {self.batch_id} {outcome}: "
+            f"{self.rows} rows from {self.tasks - self.failed_tasks}/{self.tasks} tasks "
+            f"({self.retried_tasks} retried); sent {self.sent}, confirmed {self.confirmed}, "
+            f"failovers {self.failovers}, replayed {self.replayed}, resent {self.resent}, "
+            f"in doubt {self.in_doubt}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _worker_logger() -> logging.Logger:
+    # Commits run in a Python process Spark starts next to the driver, whose logging
+    # nobody configures: without a handler of its own the summary would be dropped.
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def log_report(report: BatchReport, commit_log: str | None, *, in_worker: bool) -> None:
+    """Log the batch's summary (a warning if it was aborted or left sends in doubt) and
+    append it to ``commit_log`` if one is set."""
+    log = _worker_logger() if in_worker else logger
+    level = logging.INFO if report.committed and not report.in_doubt else logging.WARNING
+    log.log(level, report.summary())
+    if commit_log:
+        with Path(commit_log).open("a", encoding="utf-8") as file:
+            file.write(json.dumps(report.as_dict(), sort_keys=True) + "\n")
