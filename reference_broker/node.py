@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -552,6 +553,9 @@ class Node:
             )
         )
         log.info("journal recovered in %.3fs", time.monotonic() - started)
+        # What recovery built lives as long as the node serves: keep it out of the collector's
+        # sight, so that a full collection does not walk it while the lease waits for renewal.
+        gc.freeze()
         store = Store(journal, may_serve=self.may_serve)
         checkpointer = Checkpointer(
             engine, store, segments=config.checkpoint_segments, ratio=config.checkpoint_ratio

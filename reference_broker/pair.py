@@ -116,7 +116,10 @@ class BrokerPair:
         self.password = password
         self.host = host
         self.heartbeat_timeout = heartbeat_timeout
-        self.lease = lease if lease is not None else heartbeat_timeout
+        # Half as long again as the heartbeat timeout: a live tolerates an event-loop stall (a
+        # full garbage collection of a long backlog) of about half the lease, and a paused
+        # live is still taken over within lease + grace = 1.8 heartbeat timeouts.
+        self.lease = lease if lease is not None else 1.5 * heartbeat_timeout
         self.sync = sync
         self.allow_failback = allow_failback
         self.start_backup = start_backup
