@@ -512,8 +512,10 @@ class Node:
                         log.warning("%s fenced: %s", config.node_id, decision.reason)
                         self.lease = None
                         break
-                if store.degraded != self.degraded:
-                    self.degraded = store.degraded
+                # Not degraded once the backup is eligible: it holds every confirmed record.
+                degraded = store.degraded or not replication.synchronized
+                if degraded != self.degraded:
+                    self.degraded = degraded
                     self.write_status()
                     log.info(
                         "%s: %s",

@@ -9,11 +9,14 @@ batch the live writes is also sent, in order, after the synchronization part. Th
 appends everything to a fresh journal with the live's own sequence numbers and
 acknowledges (ACK seq) every batch once it is on its disk.
 
-The backup is *eligible* to take over only after SYNC_END and the acknowledgement of
-everything up to it: from then on the live's store waits for the backup's ACK before
-confirming anything to a client (synchronous replication), so an eligible backup holds
-every confirmed record. A backup that loses the link is no longer eligible for anything
-written after the loss; when it reconnects it synchronizes again from scratch.
+At SYNC_END the live's store turns synchronous at once (nothing more is confirmed to a
+client before the backup's ACK) and the live notes its last written sequence number, the
+target: the records confirmed during the copy (the backlog) are at or below it. The backup
+acknowledges nothing before SYNC_END, then every batch once it is on its disk. It is
+*eligible* to take over only once it acknowledged the target: then it holds every record
+confirmed before SYNC_END, and synchronous replication covers every one after. A backup
+that loses the link is no longer eligible for anything written after the loss; when it
+reconnects it synchronizes again from scratch.
 
 Both ends send PING every quarter heart-beat timeout; a link silent for the timeout is
 dead. Frames are ``u32 length, u8 kind, payload``; a RECORDS payload is a run of
@@ -243,13 +246,18 @@ class LiveReplicationServer:
         try:
             await self._copy_journal(writer, upto)
             write_frame(writer, Kind.SYNC_END, _SEQ.pack(upto))
-            # Everything written since SYNC_BEGIN follows, in order.
+            # Everything written since SYNC_BEGIN follows, in order. From here on nothing is
+            # confirmed before the backup acknowledged it (synchronous at once); the records
+            # confirmed during the copy are the backlog, so the backup is eligible only once
+            # it acknowledged everything written so far, the backlog included.
             backlog, self._backlog, self._syncing = self._backlog, [], False
+            target = self.store.local_seq
+            self.store.replica_synchronized(0)
             if backlog:
                 self._outbox.append(backlog)
                 self._outbox_ready.set()
             sender = loop.create_task(self._send(writer))
-            await self._read_acks(reader, writer, upto)
+            await self._read_acks(reader, writer, target)
         finally:
             pinger.cancel()
             if sender is not None:
@@ -291,29 +299,36 @@ class LiveReplicationServer:
             cursor = records[-1].seq
 
     async def _read_acks(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upto: int
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: int
     ) -> None:
+        handover_asked = False
         while True:
             kind, payload = await read_frame(reader, self.timeout)
             if kind is Kind.ACK:
                 (seq,) = _SEQ.unpack(payload)
-                if not self.synchronized and seq >= upto:
-                    self.synchronized = True
+                self.store.backup_acknowledged(seq)
+                if not self.synchronized and seq >= target:
+                    # The backup holds every record confirmed so far, and the store confirms
+                    # nothing more without it: from now on it may take over.
                     assert self.backup_id is not None
-                    self.store.replica_synchronized(seq)
                     self._on_eligibility(self.backup_id, True)
-                else:
-                    self.store.backup_acknowledged(seq)
+                    self.synchronized = True
+                    log.info(
+                        "backup %s holds everything up to seq %d: eligible", self.backup_id, seq
+                    )
             elif kind is Kind.PING:
                 continue
             elif kind is Kind.HANDOVER:
-                if not self.synchronized:
-                    raise ReplicationProtocolError("HANDOVER from a backup that is not in sync")
+                # The backup asks once it has SYNC_END; it may not be eligible yet (the
+                # backlog is still on its way): then the hand-over waits for that.
+                handover_asked = True
+            else:
+                raise ReplicationProtocolError(f"unexpected {kind.name} from the backup")
+            if handover_asked and self.synchronized:
+                handover_asked = False
                 final = await self._on_handover()
                 write_frame(writer, Kind.HANDOVER_READY, _SEQ.pack(final))
                 await writer.drain()
-            else:
-                raise ReplicationProtocolError(f"unexpected {kind.name} from the backup")
 
     async def _ping(self, writer: asyncio.StreamWriter) -> None:
         while not writer.is_closing():
@@ -391,14 +406,21 @@ class BackupLink:
                         finally:
                             self._storing = False
                             self.last_seen = time.monotonic()
-                        if self.synchronized or last >= upto:
+                        # Nothing is acknowledged before SYNC_END: the live takes an ACK as
+                        # "holds everything written so far", and only after SYNC_END is what
+                        # it wrote during the copy on its way here.
+                        if self.synchronized:
                             write_frame(writer, Kind.ACK, _SEQ.pack(last))
                 elif kind is Kind.SYNC_END:
                     last = await store.run(lambda: journal.last_seq)
                     write_frame(writer, Kind.ACK, _SEQ.pack(max(last, upto)))
                     self.synchronized = True
                     self._on_synchronized(self.live_id, self.activation)
-                    log.info("synchronized with live %s: eligible to take over", self.live_id)
+                    log.info(
+                        "copied the journal of live %s: eligible once it has acknowledged "
+                        "what the live wrote meanwhile",
+                        self.live_id,
+                    )
                 elif kind is Kind.PING:
                     continue
                 elif kind is Kind.HANDOVER_READY:
