@@ -973,7 +973,19 @@ class AmqpConnection(asyncio.Protocol):
         except BrokerError as exc:
             self._detach_with(consumer.link, exc)
             return
+        # Settle once the outcome is durable (replicated): a client that waits for the
+        # settlement knows its acknowledge survives a failover.
+        future = self.core.durable() if tx is None else None
+        if future is None:
+            delivery.settle()
+            return
+        future.add_done_callback(lambda done: self._settle_durable(delivery, done))
+
+    def _settle_durable(self, delivery: Delivery, done: asyncio.Future[None]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # not durable: leave it unsettled; the connection ends with the node
         delivery.settle()
+        self._output_soon()
 
     def _detach_with(self, link: Link, error: BrokerError) -> None:
         link.condition = condition_for(error)

@@ -16,6 +16,7 @@ the driver's lock held (the AMQP reactor thread calls back into the driver).
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
@@ -23,12 +24,12 @@ from hafailover.adapters.amqp import AmqpTransaction, AmqpTransport, Outcome
 from hafailover.adapters.base import Opened
 from hafailover.adapters.stomp import StompTransport, send_headers
 from hafailover.destination import Destination, DestinationKind
-from hafailover.errors import NotConnectedError, ProtocolError, RemoteError
+from hafailover.errors import NotConnectedError, ProtocolError, RemoteError, UnblockedError
 from hafailover.message import Message
 from hafailover.url import BrokerAddress, FailoverPolicy
 from hafailover.window import ConfirmationWindow
 
-__all__ = ["AmqpLink", "Link", "LinkEvents", "StompLink", "make_link"]
+__all__ = ["AmqpLink", "Link", "LinkEvents", "StompLink", "make_link", "stomp_address"]
 
 # A STOMP receipt the driver waits for carries its token after this prefix.
 _TOKEN_PREFIX: Final = "hafailover-call:"  # noqa: S105 - a receipt prefix, not a secret
@@ -75,8 +76,10 @@ class Link(Protocol):
         acknowledged: bool,
         prefetch: int,
         selector: str | None = None,
+        token: int | None = None,
     ) -> None:
-        """Start a subscription (blocking on AMQP)."""
+        """Start a subscription (blocking on AMQP); a token is completed once the broker
+        has it, or failed with the broker's refusal."""
         ...
 
     def unsubscribe(self, subscription: str) -> None: ...
@@ -115,6 +118,19 @@ class Link(Protocol):
 
 
 _SERIALS: Final = itertools.count(1)
+
+# STOMP temporary queues are named by the client and scoped by the broker to the connection
+# (``/temp-queue/NAME``); names with this prefix are ours and are sent in that form.
+_STOMP_TEMPORARY: Final = "hafailover-tmp-"
+
+
+def stomp_address(destination: Destination) -> str:
+    """The STOMP destination header for a destination."""
+    if destination.kind is DestinationKind.TEMPORARY_QUEUE and destination.name.startswith(
+        _STOMP_TEMPORARY
+    ):
+        return f"/temp-queue/{destination.name}"
+    return destination.stomp
 
 
 class StompLink:
@@ -172,7 +188,7 @@ class StompLink:
         self, destination: Destination, message: Message, *, tx: object, token: int | None
     ) -> int:
         headers = send_headers(message, duplicate_detection=self.policy.duplicate_detection)
-        headers["destination"] = destination.stomp
+        headers["destination"] = stomp_address(destination)
         if tx is not None:
             headers["transaction"] = str(tx)
         if token is not None:
@@ -187,9 +203,10 @@ class StompLink:
         acknowledged: bool,
         prefetch: int,
         selector: str | None = None,
+        token: int | None = None,
     ) -> None:
         headers = {
-            "destination": destination.stomp,
+            "destination": stomp_address(destination),
             "id": subscription,
             "ack": "client-individual" if acknowledged else "auto",
         }
@@ -197,6 +214,8 @@ class StompLink:
             headers["prefetch-count"] = str(prefetch)
         if selector is not None:
             headers["selector"] = selector
+        if token is not None:
+            headers["receipt"] = f"{_TOKEN_PREFIX}{token}"
         self._write("SUBSCRIBE", headers)
 
     def unsubscribe(self, subscription: str) -> None:
@@ -206,7 +225,12 @@ class StompLink:
         # ActiveMQ's convention: a snapshot, then a MESSAGE with browser:end and no body.
         self._write(
             "SUBSCRIBE",
-            {"destination": queue.stomp, "id": subscription, "ack": "auto", "browser": "true"},
+            {
+                "destination": stomp_address(queue),
+                "id": subscription,
+                "ack": "auto",
+                "browser": "true",
+            },
         )
 
     def acknowledge(self, subscription: str, tag: str, *, tx: object, token: int | None) -> None:
@@ -234,7 +258,9 @@ class StompLink:
         # connection: the same name on a new connection is the same queue to the application.
         if wanted is not None:
             return wanted
-        return Destination(DestinationKind.TEMPORARY_QUEUE, f"hafailover-{next(_SERIALS)}")
+        return Destination(
+            DestinationKind.TEMPORARY_QUEUE, f"{_STOMP_TEMPORARY}{uuid.uuid4().hex[:16]}"
+        )
 
     def replay(self, payload: object) -> None:
         assert isinstance(payload, tuple)
@@ -322,10 +348,22 @@ class AmqpLink:
         acknowledged: bool,
         prefetch: int,
         selector: str | None = None,
+        token: int | None = None,
     ) -> None:
-        self._transport.subscribe(
-            subscription, destination, credit=max(1, prefetch), settle_on_delivery=not acknowledged
-        )
+        error: RemoteError | None = None
+        try:
+            self._transport.subscribe(
+                subscription,
+                destination,
+                credit=max(1, prefetch),
+                settle_on_delivery=not acknowledged,
+            )
+        except RemoteError as exc:
+            if token is None or isinstance(exc, NotConnectedError | UnblockedError):
+                raise  # the connection failed, not the subscription: failover handles it
+            error = exc
+        if token is not None:
+            self.events.link_completed(self, token, error)
 
     def unsubscribe(self, subscription: str) -> None:
         self._transport.unsubscribe(subscription)
@@ -336,9 +374,16 @@ class AmqpLink:
         )
 
     def acknowledge(self, subscription: str, tag: str, *, tx: object, token: int | None) -> None:
-        self._transport.settle(int(tag), Outcome.ACCEPTED, tx=_transaction(tx))
-        if token is not None:
-            # Settlement of a received message has no reply in AMQP: done once it is written.
+        transaction = _transaction(tx)
+        # Outside a transaction the broker's settlement confirms the acknowledge; inside
+        # one, the commit does.
+        self._transport.settle(
+            int(tag),
+            Outcome.ACCEPTED,
+            tx=transaction,
+            token=token if transaction is None else None,
+        )
+        if token is not None and transaction is not None:
             self.events.link_completed(self, token, None)
 
     def redeliver(self, subscription: str, tag: str) -> None:

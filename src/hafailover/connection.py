@@ -243,6 +243,7 @@ class _Pending:
     destination: Destination | None = None
     producer: Producer | None = None
     resendable: bool = False
+    consumer: Consumer | None = None  # a subscription waiting for the broker
 
 
 # --- the connection ------------------------------------------------------------------------
@@ -296,6 +297,7 @@ class Connection:
         self._link_dead = False  # the link being prepared by a failover died
         self._session_token: str | None = None  # the broker's session id, for reattach
         self._pending: dict[int, _Pending] = {}
+        self._unblock: set[int] = set()  # calls a reconnect releases with UNBLOCKED (F3)
         self._tokens = itertools.count(1)
         self._sessions: dict[int, Session] = {}
         self._browsing: dict[str, Browser] = {}  # browse subscription -> its browser
@@ -385,6 +387,7 @@ class Connection:
             )
         with self._cond:
             self._check_open()
+            self._admit(self._failover_deadline())  # F1: waits while failing over
             session = Session(self, next(self._session_ids), ack_mode)
             self._sessions[session.session_id] = session
             return session
@@ -582,6 +585,11 @@ class Connection:
         # The pending calls say what to resend; the window only restarts its ids.
         self._window.reconnect()
         resends: list[int] = []
+        self._unblock = {
+            token
+            for token, pending in self._pending.items()
+            if not (pending.kind == _KIND_SEND and pending.resendable)
+        }
         in_doubt: dict[int, list[str]] = collections.defaultdict(list)
         resent: dict[int, list[str]] = collections.defaultdict(list)
         for token, pending in sorted(self._pending.items()):
@@ -632,9 +640,11 @@ class Connection:
         """Under the lock: tell the machine; its effects wake the world and the listener."""
         if resumed:
             self._reattached += 1
-        resent = {t for t, p in self._pending.items() if p.kind == _KIND_SEND and p.resendable}
+        # Only calls made on the lost link are released; those the recreation made on the new
+        # one (subscriptions, resends) wait for their answers.
+        keep = set(self._pending) - self._unblock
         effects = self._machine.handle(Connected(opened.broker, resumed=resumed))
-        after = self._apply(effects, keep=resent)
+        after = self._apply(effects, keep=keep)
         for action in after:
             action()
 
@@ -803,6 +813,14 @@ class Connection:
                 callbacks = self._complete_locked(token, None)
             else:
                 callbacks = self._fail_locked(token, error)
+                consumer = pending.consumer
+                if consumer is not None and not isinstance(
+                    error, NotConnectedError | UnblockedError
+                ):
+                    # The broker refused the subscription: the consumer is gone, so a
+                    # reconnect does not ask again (and get refused again).
+                    consumer._closed = True
+                    consumer.session._consumers.pop(consumer.subscription, None)
         for callback in callbacks:
             self._run_callback(callback, pending.completion)
 
@@ -1046,7 +1064,18 @@ class Session:
             consumer = Consumer(self, subscription, target, prefetch, selector)
             self._consumers[subscription] = consumer
         connection._subscribe(consumer)
-        return consumer
+        while True:
+            completion = consumer._subscribed
+            assert completion is not None
+            try:
+                completion.result()
+            except UnblockedError:
+                # A failover caught the subscription; the recreation subscribed it again.
+                with connection._cond:
+                    if consumer._closed or consumer._subscribed is completion:
+                        raise
+                continue
+            return consumer
 
     def create_browser(self, queue: str | Destination) -> Browser:
         """Iterate over the messages waiting on a queue without consuming them (F11)."""
@@ -1178,11 +1207,23 @@ class Session:
         with connection._cond:
             handle = self._tx
             received = tx_rules.received_in_transaction()
-            if handle is None or self._tx_link != getattr(connection._link, "serial", None):
+            stale = handle is not None and self._tx_link != getattr(
+                connection._link, "serial", None
+            )
+            if (handle is None and not received) or stale:
                 transaction.commit_finished()
                 tx_rules.transaction_ended()
                 self._tx = None
                 return
+        if handle is None:
+            # Only received so far: the acknowledges go in a broker transaction of their own.
+            try:
+                handle = self._ensure_tx()
+            except HaFailoverError:
+                with connection._cond:
+                    transaction.commit_finished()
+                    tx_rules.transaction_ended()
+                raise
         try:
             self._end_on_broker(handle, commit=True, received=received, quiet=False)
         except UnblockedError:
@@ -1244,7 +1285,12 @@ class Session:
         with connection._cond:
             link = connection._admit(connection._failover_deadline())
             if self._tx_link != link.serial:
-                return  # the transaction was on a link that is gone
+                # The transaction died with its link while this call waited for the
+                # failover: a commit learns its fate from the transaction rules (F3, F9).
+                if commit:
+                    raise UnblockedError("the transaction's connection failed over")
+                self._give_back(received)
+                return
             if commit:
                 for tag in received:
                     link.acknowledge(
@@ -1373,7 +1419,7 @@ class Session:
                 while item is None:
                     if self._closed:
                         return
-                    if connection._started:
+                    if connection._started and connection._machine.is_up:
                         for consumer in self._consumers.values():
                             if consumer._listener is not None and consumer._buffer:
                                 item = (consumer, consumer._take())
@@ -1621,13 +1667,34 @@ class Consumer:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._listener: Callable[[Message], None] | None = None
         self._closed = False
+        self._on_link = 0  # serial of the link this consumer is subscribed on
+        self._subscribed: SendCompletion | None = None  # the broker's answer to subscribing
 
     @property
     def _acknowledged(self) -> bool:
         return self.session.ack_mode is not AckMode.NO_ACKNOWLEDGE
 
     def _subscribe_on(self, link: StompLink | AmqpLink) -> None:
-        """Under the lock for STOMP; AMQP's subscribe blocks, so it is called without it."""
+        """Under the lock for STOMP; AMQP's subscribe blocks, so it is called without it.
+
+        Once per link: a consumer created during a failover is subscribed either by the
+        failover's recreation or by its own creation, whichever comes first."""
+        if self._on_link == link.serial:
+            return
+        self._on_link = link.serial
+        try:
+            self._subscribe_now(link)
+        except BaseException:
+            self._on_link = 0
+            raise
+
+    def _subscribe_now(self, link: StompLink | AmqpLink) -> None:
+        connection = self.session.connection
+        completion = SendCompletion(connection, None)
+        token = connection._register(
+            _Pending(_KIND_CALL, completion, self.session, -1, consumer=self)
+        )
+        self._subscribed = completion
         if isinstance(link, AmqpLink):
             self.session.connection._cond.release()
             try:
@@ -1637,6 +1704,7 @@ class Consumer:
                     acknowledged=self._acknowledged,
                     prefetch=self.prefetch,
                     selector=self.selector,
+                    token=token,
                 )
             finally:
                 self.session.connection._cond.acquire()
@@ -1647,6 +1715,7 @@ class Consumer:
             acknowledged=self._acknowledged,
             prefetch=self.prefetch,
             selector=self.selector,
+            token=token,
         )
 
     def _arrived(self, tag: str, message: Message) -> None:
@@ -1687,6 +1756,8 @@ class Consumer:
             if decision.action is AckAction.SEND:
                 link = connection._link
                 if link is None or not connection._machine.is_up:
+                    if session.ack_mode is AckMode.DUPS_OK:
+                        return  # F7: silent; the broker may deliver it again
                     raise AcknowledgeFailedError(
                         "the acknowledge could not be sent: the connection is failing over; "
                         "the message may be delivered again"
@@ -1708,6 +1779,8 @@ class Consumer:
                         link.acknowledge(subscription, tag, tx=None, token=token)
                     except HaFailoverError as exc:
                         connection._io_failed(link, exc)
+                        if session.ack_mode is AckMode.DUPS_OK:
+                            return  # F7: silent
                         raise AcknowledgeFailedError(
                             f"the acknowledge could not be sent ({exc}); the message may be "
                             "delivered again"
@@ -1752,7 +1825,7 @@ class Consumer:
                 if admission is Admission.RAISE and not self._buffer:
                     assert code is not None
                     raise _error_for(code, f"the connection is {connection._machine.state.value}")
-                if connection._started and self._buffer:
+                if connection._started and self._buffer and connection._machine.is_up:
                     message = self._take()
                     if message is not None:
                         break

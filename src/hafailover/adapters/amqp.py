@@ -540,6 +540,7 @@ class AmqpTransport:
         self._temporary_queues: dict[Link, _TemporaryQueue] = {}
         self._link_subscription: dict[Link, _Subscription] = {}
         self._incoming: dict[int, tuple[Delivery, _Subscription]] = {}
+        self._confirming: dict[Delivery, int] = {}  # outcome sent, broker's settle awaited
         self._coordinator: Sender | None = None
         self._control: dict[Delivery, tuple[bool, _Waiter[Any]]] = {}  # is-declare, waiter
         self._names = itertools.count(1)
@@ -680,11 +681,22 @@ class AmqpTransport:
             timeout,
         )
 
-    def settle(self, delivery: int, outcome: Outcome, *, tx: AmqpTransaction | None = None) -> None:
+    def settle(
+        self,
+        delivery: int,
+        outcome: Outcome,
+        *,
+        tx: AmqpTransaction | None = None,
+        token: int | None = None,
+    ) -> None:
         """Settle a received message (thread-safe, without waiting). A token of a delivery
-        already settled, or of a link that has ended, is ignored."""
+        already settled, or of a link that has ended, is ignored.
+
+        With ``token`` (outside a transaction) the outcome is sent unsettled and the delivery
+        is settled only once the broker has settled it, which the reference broker does when
+        the outcome is durable: ``on_settled(token, None)`` then confirms it."""
         self._check_transaction(tx)
-        self._submit(_Command(partial(self._settle_now, delivery, outcome, tx)))
+        self._submit(_Command(partial(self._settle_now, delivery, outcome, tx, token)))
 
     def unsubscribe(self, subscription_id: str, *, remove_durable: bool = False) -> None:
         """Stop a subscription without waiting; its unsettled messages go back to the broker.
@@ -934,9 +946,17 @@ class AmqpTransport:
         self._pending.add(waiter)
         link.open()
 
-    def _settle_now(self, token: int, outcome: Outcome, tx: AmqpTransaction | None) -> None:
+    def _settle_now(
+        self,
+        token: int,
+        outcome: Outcome,
+        tx: AmqpTransaction | None,
+        confirm: int | None = None,
+    ) -> None:
         entry = self._incoming.pop(token, None)
         if entry is None:
+            if confirm is not None:
+                self._emit(self.events.on_settled, confirm, None)  # settled already
             return
         delivery, _ = entry
         if tx is not None:
@@ -956,7 +976,12 @@ class AmqpTransport:
         else:
             delivery.local.failed = True
             delivery.update(Delivery.MODIFIED)
+        if confirm is not None and tx is None:
+            self._confirming[delivery] = confirm  # settled when the broker settles
+            return
         delivery.settle()
+        if confirm is not None:
+            self._emit(self.events.on_settled, confirm, None)
 
     def _unsubscribe_now(self, subscription_id: str, remove_durable: bool) -> None:
         subscription = self._subscriptions.get(subscription_id)
@@ -1276,6 +1301,14 @@ class AmqpTransport:
             self._sent_settled(link, delivery)
 
     def _received(self, link: Receiver, delivery: Delivery) -> None:
+        confirm = self._confirming.pop(delivery, None)
+        if confirm is not None:
+            if delivery.settled:  # the broker settled our outcome: it is done (and durable)
+                delivery.settle()
+                self._emit(self.events.on_settled, confirm, None)
+            else:
+                self._confirming[delivery] = confirm
+            return
         if delivery.aborted:
             delivery.settle()
             return

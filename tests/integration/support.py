@@ -1,0 +1,127 @@
+"""Shared helpers of the integration tests: URLs for the bundled pair, draining a queue, and
+a TCP proxy whose connections a test can cut (a dropped connection while the broker lives)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import hafailover
+from hafailover import AckMode, Message
+from reference_broker import BrokerPair
+
+# Fast detection and retries so that each failover takes about a second.
+FAST = {"heartbeat": "250ms", "retry_interval": "50ms", "max_retry_interval": "500ms"}
+
+
+def url_for(pair: BrokerPair, protocol: str, **options: object) -> str:
+    base = pair.stomp_url if protocol == "stomp" else pair.amqp_url
+    merged = {**FAST, **{k: str(v) for k, v in options.items()}}
+    query = "&".join(f"{k}={v}" for k, v in merged.items())
+    return f"{base}{'&' if '?' in base else '?'}{query}"
+
+
+def single_url(protocol: str, host: str, port: int, pair: BrokerPair, **options: object) -> str:
+    merged = {**FAST, **{k: str(v) for k, v in options.items()}}
+    query = "&".join(f"{k}={v}" for k, v in merged.items())
+    return f"{protocol}://{pair.user}:{pair.password}@{host}:{port}?{query}"
+
+
+def drain(url: str, queue: str, *, idle: float = 1.0, limit: float = 60.0) -> list[Message]:
+    """Everything waiting on ``queue`` (consumed), through a fresh connection."""
+    received: list[Message] = []
+    # After a failover the first broker of the URL may be the dead one (F12: the first
+    # connection only tries further brokers when initial_connect_attempts allows it).
+    url = f"{url}{'&' if '?' in url else '?'}initial_connect_attempts=4"
+    with hafailover.connect(url) as connection:
+        session = connection.create_session(AckMode.DUPS_OK)
+        consumer = session.create_consumer(queue, prefetch=500)
+        connection.start()
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            # The first message may take a while on a loaded machine; then idle ends it.
+            message = consumer.receive(idle if received else max(idle, 5.0))
+            if message is None:
+                break
+            received.append(message)
+    return received
+
+
+def seqs(messages: list[Message]) -> list[int]:
+    return [int(str(m.properties["seq"])) for m in messages]
+
+
+def wait_until(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection at once."""
+
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+                self.connections += 1
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for s in (source, sink):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Drop every open connection (both directions), as a network failure would."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+        self.cut()
+
+
+@contextlib.contextmanager
+def proxy(target_port: int) -> Iterator[TcpProxy]:
+    p = TcpProxy(target_port)
+    try:
+        yield p
+    finally:
+        p.close()
