@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -108,7 +109,8 @@ class TcpProxy:
             sockets, self._sockets = self._sockets, []
         for s in sockets:
             with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                # Linger 0: close sends a reset, as a dead network path would look.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):
                 s.close()
 

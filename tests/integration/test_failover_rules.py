@@ -93,10 +93,14 @@ def test_f2_exhausted_reconnect_raises_disconnect(pair: BrokerPair, protocol: st
         backup = pair.backup
         pair.kill(backup)
         pair.kill(pair.nodes[0] if pair.nodes[0].running else pair.nodes[1])
-        with pytest.raises(DisconnectedError) as raised:
+
+        def send_until_it_fails() -> None:
             for _ in range(1000):
                 producer.send("more")
                 time.sleep(0.01)
+
+        with pytest.raises(DisconnectedError) as raised:
+            send_until_it_fails()
         assert raised.value.code is ErrorCode.DISCONNECT
         with pytest.raises(DisconnectedError):
             connection.create_session()
@@ -230,21 +234,20 @@ def test_f6_auto_ack_redelivers_at_most_the_last_message(pair: BrokerPair, proto
             assert message is not None
             got.append(int(str(message.properties["seq"])))
         pair.kill(pair.live)
-        failures = 0
+        failures: list[ErrorCode] = []
         messages: list[str] = []
         while len(set(got)) < 200:
             try:
                 message = consumer.receive(10)
             except HaFailoverError as exc:
-                assert exc.code is ErrorCode.ACKNOWLEDGE_FAILED
-                failures += 1
+                failures.append(exc.code)
                 messages.append(str(exc))
                 continue
             assert message is not None
             got.append(int(str(message.properties["seq"])))
         duplicates = len(got) - len(set(got))
         assert duplicates <= 1, got
-        assert failures <= 1, messages
+        assert failures in ([], [ErrorCode.ACKNOWLEDGE_FAILED]), messages
 
 
 def test_f7_dups_ok_is_silent(pair: BrokerPair, protocol: str) -> None:
