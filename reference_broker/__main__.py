@@ -3,6 +3,7 @@
     python -m reference_broker run --node-id live --role live ...   one node (see node.py)
     python -m reference_broker pair up [--data-dir DIR] [--json]   a live and a backup
     python -m reference_broker user add --users FILE NAME          add or change a user
+    python -m reference_broker demo [--amqp]                       the live failover demo
 
 `hafailover broker ...` and `hafailover pair ...` run these same commands.
 """
@@ -87,7 +88,7 @@ def _user_add(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m reference_broker {run ...|pair up ...|user add ...}"
+    usage = "usage: python -m reference_broker {run ...|pair up ...|user add ...|demo ...}"
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         return _pair_up(rest[1:])
     if command == "user" and rest[:1] == ["add"]:
         return _user_add(rest[1:])
+    if command == "demo":
+        from reference_broker import demo  # imports the client library: only when asked
+
+        return demo.main(rest)
     print(usage, file=sys.stderr)
     return 2
 

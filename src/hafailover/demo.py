@@ -1,4 +1,6 @@
-"""A walk through the failover core: what `make demo` runs until the broker pair lands.
+"""A walk through the failover core, with no network: ``hafailover demo --walkthrough``.
+
+(`make demo` runs the live demo instead: ``reference_broker/demo.py``.)
 
 It drives the real pure core (URL, reconnect schedule, failover state machine,
 confirmation window, transaction rules) through a scripted broker loss and
