@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Final
@@ -104,6 +105,13 @@ def stomp_destination(destination: str, session: StompSession) -> str:
         f"unknown destination {destination!r}: use /queue/NAME, /topic/NAME, "
         "/temp-queue/NAME, queue://NAME or topic://NAME"
     )
+
+
+# Reattachable sessions attached to a connection, by (core, session id): a reattach may
+# take one over from a connection that is dead but not yet seen to be.
+_ATTACHED: weakref.WeakValueDictionary[tuple[int, str], StompSession] = (
+    weakref.WeakValueDictionary()
+)
 
 
 def _reply_destination(address: str) -> str:
@@ -318,7 +326,7 @@ class StompConnection(asyncio.Protocol):
         reattached = False
         wanted = frame.get(H_REATTACH)
         if wanted:
-            held = self.core.claim_session(wanted)
+            held = self.core.claim_session(wanted) or self._take_over(wanted, user)
             if isinstance(held, StompSession) and held.user == user:
                 session = held
                 reattached = True
@@ -344,6 +352,8 @@ class StompConnection(asyncio.Protocol):
             headers.append((H_TOPOLOGY, ",".join(topology)))
         self.session = session
         session.connection = self
+        if session.reattachable:
+            _ATTACHED[(id(self.core), session.session_id)] = session
         self._write(encode(Frame("CONNECTED", tuple(headers))))
         if intervals.server_to_client or intervals.client_to_server:
             self._heartbeat_task = asyncio.get_running_loop().create_task(
@@ -353,6 +363,21 @@ class StompConnection(asyncio.Protocol):
             )
         if reattached:
             self._resume(session)
+
+    def _take_over(self, session_id: str, user: str | None) -> StompSession | None:
+        """A reattach can arrive before this node has seen its old connection drop (the
+        client noticed first): the session is taken from the old connection, which is
+        aborted, exactly as if it had dropped a moment earlier."""
+        session = _ATTACHED.get((id(self.core), session_id))
+        if session is None or session.user != user or session.connection is None:
+            return None
+        old = session.connection
+        session.connection = None  # its connection_lost neither holds nor ends the session
+        old._closing = True
+        if old.transport is not None:
+            old.transport.abort()
+        log.info("stomp session %s taken over from %s", session_id, old.peer)
+        return session
 
     def _resume(self, session: StompSession) -> None:
         """After a reattach: re-send deliveries the old socket may have lost, then go on."""

@@ -555,6 +555,12 @@ class Connection:
             else:
                 self._complete_locked(token, None)
         for session in self._sessions.values():
+            # The server kept the session: its subscriptions and transaction live on.
+            for consumer in session._consumers.values():
+                if consumer._on_link:
+                    consumer._on_link = link.serial
+            if session._tx is not None:
+                session._tx_link = link.serial
             self._session_parts[session.session_id] = session._failed_over(
                 reattached=True,
                 commit_received=self._commit_received(session, last),
@@ -1214,6 +1220,12 @@ class Session:
                 transaction.commit_finished()
                 tx_rules.transaction_ended()
                 self._tx = None
+                if stale:
+                    # The transaction's link is gone and no failover rule caught it: never
+                    # report a commit that did not happen.
+                    raise TransactionRolledBackError(
+                        "the transaction was lost with its connection; replay its work"
+                    )
                 return
         if handle is None:
             # Only received so far: the acknowledges go in a broker transaction of their own.
