@@ -243,9 +243,15 @@ class StompTransport:
         connection = self._connection
         if connection is None or self.broker is None:
             raise NotConnectedError("the transport is not open")
+        headers = dict(headers)
+        if body:
+            # Without content-length a broker ends the body at its first NUL byte: the
+            # message would be stored cut short (and the rest read as a command).
+            headers["content-length"] = str(len(body))
+        size = len(body) + sum(len(k) + len(v) + 2 for k, v in headers.items()) + len(command) + 4
         with _map_errors(self.broker):
-            connection.send_frame(command, dict(headers), body)
-        return len(body) + sum(len(k) + len(v) + 2 for k, v in headers.items()) + len(command) + 4
+            connection.send_frame(command, headers, body)  # stomp.py may rewrite headers
+        return size
 
     def close(self) -> None:
         """Say goodbye (DISCONNECT) and close; the session ends on the broker."""

@@ -1,0 +1,121 @@
+"""Messages arrive as sent, and misuse gets a clear error that harms nothing else.
+
+Against the bundled pair, on both protocols: binary bodies with every byte value, headers,
+priority and persistence; then bad input (URLs, options, closed sessions, foreign messages,
+commit outside a transaction, oversized messages), each followed by a check that the
+connection and its other sessions still work.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import hafailover
+from hafailover import (
+    AckMode,
+    ConfigurationError,
+    ConnectionClosedError,
+    IllegalStateError,
+    InvalidURLError,
+    Message,
+    MessageTooLargeError,
+)
+from hafailover.connection import MAX_MESSAGE_BYTES
+from reference_broker import BrokerPair
+
+from .support import url_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_every_byte_value_and_the_headers_arrive(pair: BrokerPair, protocol: str) -> None:
+    """A body holding every byte value (NUL included) is neither cut nor corrupted."""
+    body = bytes(range(256)) * 8
+    with hafailover.connect(url_for(pair, protocol)) as connection:
+        session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+        producer = session.create_producer("queue://bytes")
+        sent = producer.send(
+            Message(body=body, properties={"seq": 7, "kind": "binary"}, priority=7)
+        )
+        producer.send("text body", headers={"seq": 8})
+        consumer = session.create_consumer("queue://bytes")
+        connection.start()
+        first = consumer.receive(5)
+        second = consumer.receive(5)
+        assert first is not None
+        assert second is not None
+        assert first.body_bytes == body
+        assert str(first.properties["kind"]) == "binary"
+        assert str(first.properties["seq"]) == "7"
+        assert first.message_id is not None
+        assert sent.message_id is not None
+        assert second.text == "text body"
+        first.acknowledge()
+        second.acknowledge()
+        assert connection.statistics().failovers == 0
+
+
+def test_bad_urls_and_options_name_what_is_wrong() -> None:
+    with pytest.raises(InvalidURLError) as raised:
+        hafailover.connect("failover:(stomp://h:1)?reconnect_attempts=often")
+    assert raised.value.option == "reconnect_attempts"
+    with pytest.raises(InvalidURLError) as raised:
+        hafailover.connect("failover:(stomp://h:1)?no_such_option=1")
+    assert raised.value.option == "no_such_option"
+    with pytest.raises(InvalidURLError):
+        hafailover.connect("failover:(stomp://h:1,amqp://h:2)")
+    with pytest.raises(ConfigurationError):
+        hafailover.connect("ftp://h:1")
+
+
+def test_misuse_is_refused_and_harms_nothing(pair: BrokerPair, protocol: str) -> None:
+    with hafailover.connect(url_for(pair, protocol)) as connection:
+        healthy = connection.create_session()
+        healthy_producer = healthy.create_producer("queue://misuse")
+
+        closed = connection.create_session()
+        closed_producer = closed.create_producer("queue://misuse")
+        closed.close()
+        with pytest.raises(ConnectionClosedError):
+            closed_producer.send("after close")
+
+        with pytest.raises(IllegalStateError):
+            healthy.commit()
+        with pytest.raises(IllegalStateError):
+            healthy.rollback()
+        with pytest.raises(IllegalStateError):
+            healthy.acknowledge()
+        with pytest.raises(ConfigurationError):
+            connection.create_session("auto")  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError):
+            healthy.create_consumer("queue://misuse", prefetch=0)
+        with pytest.raises(ConfigurationError):
+            healthy_producer.send(12345)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError):
+            healthy.create_producer("nowhere://x")
+        with pytest.raises(IllegalStateError):
+            healthy.create_producer().send("no destination")
+        with pytest.raises(MessageTooLargeError):
+            healthy_producer.send(b"x" * (MAX_MESSAGE_BYTES + 1))
+        with pytest.raises(IllegalStateError):
+            Message(body="built here").acknowledge()
+
+        # A message of one session acknowledged through another session is refused.
+        healthy_producer.send("foreign", headers={"seq": 1})
+        owner = connection.create_session(AckMode.CLIENT)
+        other = connection.create_session(AckMode.CLIENT)
+        consumer = owner.create_consumer("queue://misuse")
+        connection.start()
+        message = consumer.receive(5)
+        assert message is not None
+        with pytest.raises(IllegalStateError):
+            other._acknowledge_message(message)
+        message.acknowledge()
+
+        # Everything still works.
+        healthy_producer.send("still fine")
+        again = consumer.receive(5)
+        assert again is not None
+        assert again.text == "still fine"
+        again.acknowledge()
+        assert connection.statistics().failovers == 0
