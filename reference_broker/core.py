@@ -98,6 +98,8 @@ class BrokerCore:
     def _turn(self) -> None:
         self._kicked = False
         self.dispatch()
+        if self.engine.dispatch_pending:
+            self.kick()  # the rest after the loop has written (and read) what is due
         records = self.engine.drain_records()
         if records:
             # Nobody waits on this batch (receipts wait on durable()), but a failure must

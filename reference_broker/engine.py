@@ -241,6 +241,10 @@ class EngineConfig:
     auto_create_queues: bool = True
     node_id: str = attrs.field(default="broker", validator=_check_node_id)
     first_message_id: int = attrs.field(default=1, validator=_check_not_negative)
+    # Deliveries one queue hands out per `poll`: an auto-acknowledging consumer has no window
+    # to stop it, and must not take a whole backlog into memory (and its connection's write
+    # buffer) in one loop turn. The rest waits for the next poll; `dispatch_pending` says so.
+    dispatch_per_poll: int | None = attrs.field(default=1000, validator=_check_positive_or_none)
 
 
 @attrs.frozen
@@ -973,19 +977,34 @@ class Engine:
         the protocol layer to write. Messages expired at `now` are dropped on the way."""
         out: list[Delivery] = []
         dirty = self._dirty
+        capped: list[_Queue] = []
         while dirty:
-            self._dispatch(dirty.pop(), now, out)
+            queue = dirty.pop()
+            if self._dispatch(queue, now, out):
+                capped.append(queue)
+        dirty.update(capped)
         return out
 
-    def _dispatch(self, queue: _Queue, now: float, out: list[Delivery]) -> None:
+    @property
+    def dispatch_pending(self) -> bool:
+        """A queue may dispatch more: poll again (on the next loop turn)."""
+        return bool(self._dirty)
+
+    def _dispatch(self, queue: _Queue, now: float, out: list[Delivery]) -> bool:
+        """Dispatch from one queue; True if it stopped at the per-poll cap."""
         consumers = queue.consumers
         n = len(consumers)
         if not n or not queue.size:
-            return
+            return False
         records = self._records
         durable = queue.durable
         i = queue.rr
+        budget = self._config.dispatch_per_poll or _UNLIMITED
         while queue.size:
+            if budget <= 0:
+                queue.rr = i
+                return True
+            budget -= 1
             for _ in range(n):
                 if i >= n:
                     i = 0
@@ -1016,6 +1035,7 @@ class Engine:
                 consumer.unacked[tag] = entry
                 queue.in_flight += 1
         queue.rr = i
+        return False
 
     def _take(self, queue: _Queue, now: float) -> _Entry | None:
         """Pop the next deliverable entry, dropping expired ones on the way."""

@@ -74,7 +74,7 @@ from reference_broker.records import (
     RecordType,
     decode,
 )
-from reference_broker.replication import BackupLink, LiveReplicationServer
+from reference_broker.replication import HANDOVER_TIMEOUT, BackupLink, LiveReplicationServer
 from reference_broker.stomp.server import StompConnection
 from reference_broker.store import FencedError, Store, compact_before
 from reference_broker.users import UsersFile
@@ -416,6 +416,7 @@ class Node:
             may_serve=self.may_serve,
         )
         handed_over = asyncio.Event()
+        serve_again = asyncio.Event()  # a hand-over failed after the listeners were closed
         connections: set[StompConnection | AmqpConnection] = set()
 
         def stomp_factory() -> StompConnection:
@@ -432,8 +433,11 @@ class Node:
             # Failback: stop serving, let everything reach the backup, give the role away
             # in the witness, and only then tell the backup (it starts by renewing).
             await stop_serving()
-            await store.durable_barrier()
-            self._give_role_to(replication.backup_id)
+            backup = replication.backup_id
+            if not await store.replica_caught_up(HANDOVER_TIMEOUT) or backup is None:
+                serve_again.set()  # the backup is gone or stuck: keep the role
+                raise ConnectionError("the backup did not acknowledge everything in time")
+            self._give_role_to(backup)
             handed_over.set()
             return store.local_seq
 
@@ -474,7 +478,10 @@ class Node:
                 server.close()
             await replication.close()
             await store.close()
-            self.lease = None  # serve nothing; the lease runs out and the backup may take over
+            # Serve nothing and give the role up at once: the start rule (in the backup loop)
+            # activates this node again when it can, unless an eligible backup takes over.
+            self.lease = None
+            self.witness.release(config.node_id, self.activation)
             await asyncio.sleep(0.5)
             return BACKUP
         core.start()
@@ -499,10 +506,26 @@ class Node:
                     break
                 if handed_over.is_set():
                     break
+                if serve_again.is_set():
+                    # Listeners and connections are closed: start over under this activation.
+                    log.warning("%s: hand-over abandoned: serving again", config.node_id)
+                    self._pending_activation = self.activation
+                    next_role = LIVE
+                    break
+                if store.failed:
+                    # Confirms nothing more: stop serving. Every record the backup acknowledged
+                    # stays there, so it keeps its eligibility and takes over once the lease
+                    # runs out.
+                    log.error("%s: the journal failed: fencing itself", config.node_id)
+                    replication.keep_eligibility()
+                    self.lease = None
+                    self._fenced_status()
+                    break
                 now = time.monotonic()
                 lease = self.lease
                 if lease is None or not lease.may_serve(now):
                     log.warning("%s: lease no longer valid: fencing itself", config.node_id)
+                    self._fenced_status()
                     break
                 if lease.renew_due(now):
                     decision = self.witness.renew(config.node_id, self.activation)
@@ -511,6 +534,7 @@ class Node:
                     elif decision.outcome is Outcome.FENCED:
                         log.warning("%s fenced: %s", config.node_id, decision.reason)
                         self.lease = None
+                        self._fenced_status()
                         break
                 # Not degraded once the backup is eligible: it holds every confirmed record.
                 degraded = store.degraded or not replication.synchronized
@@ -537,6 +561,13 @@ class Node:
                 self.witness.release(config.node_id, self.activation)
                 self.lease = None
         return next_role
+
+    def _fenced_status(self) -> None:
+        """Say at once that this node no longer serves: closing down can take a while."""
+        self.role = BACKUP
+        self.synchronized = False
+        self.degraded = True
+        self.write_status()
 
     async def _prepare_store(self) -> tuple[Engine, Store, Checkpointer] | None:
         """Open and recover the journal; None if it cannot be made ready to serve."""
@@ -672,6 +703,11 @@ class Node:
                 self.write_status()
                 if self.eligible is not None and await self._take_over():
                     return LIVE
+                # No live to follow: a node that fenced itself, or could not listen, with no
+                # eligible backup to take over still holds the newest data, and the witness
+                # says so. The start rule brings it back once its old lease has run out.
+                if self._may_start_live() and self._activate_again():
+                    return LIVE
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), 0.1)
             return BACKUP
@@ -681,43 +717,92 @@ class Node:
     async def _watch_link(self, link: BackupLink, follower: asyncio.Task[None]) -> str | None:
         """Follow the live; LIVE after a failback hand-over, BACKUP to stop, None: link ended."""
         config = self.config
-        asked = False
+        handover: asyncio.Task[int] | None = None
         try:
             while not follower.done():
                 if self._stopping.is_set():
                     return BACKUP
                 if (
                     link.synchronized
-                    and not asked
+                    and handover is None
                     and config.role == LIVE
                     and config.allow_failback
                 ):
-                    asked = True
                     log.info(
                         "%s synchronized: asking %s to hand back", config.node_id, link.live_id
                     )
-                    final = await link.request_handover()
-                    store = link.store
-                    while store is not None and store.journal.last_seq < final:
-                        if follower.done():
-                            return None
-                        await asyncio.sleep(0.005)
-                    state = self.witness.read()
-                    if state is not None and state.holder == config.node_id:
-                        self._pending_activation = state.activation
-                        return LIVE
+                    # Asked once per link; the live answers within HANDOVER_TIMEOUT or gives up
+                    # and ends the link (then the next link asks again).
+                    handover = asyncio.get_running_loop().create_task(
+                        asyncio.wait_for(
+                            link.request_handover(),
+                            HANDOVER_TIMEOUT + 2 * config.heartbeat_timeout,
+                        )
+                    )
+                if handover is not None and handover.done():
+                    break
                 # A live paused by SIGSTOP sends nothing: give up on the link after the
                 # heartbeat timeout so that the backup can take over.
                 if link.silent_for(time.monotonic()) > config.heartbeat_timeout:
                     log.warning("%s: live silent past the heartbeat timeout", config.node_id)
                     return None
                 await asyncio.sleep(0.02)
+            if handover is None:
+                return None
+            # The link may have ended right after HANDOVER_READY: it fails the request then.
+            final: int | None = None
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                final = await handover
+            store = link.store
+            while final is not None and store is not None and store.journal.last_seq < final:
+                if follower.done() or self._stopping.is_set():
+                    return None
+                await asyncio.sleep(0.005)
+            # The live hands the role over only once this node acknowledged everything, so a
+            # claim naming this node above the followed activation is ours to serve, with or
+            # without HANDOVER_READY.
+            state = self.witness.read()
+            if (
+                state is not None
+                and state.holder == config.node_id
+                and state.activation > link.activation
+            ):
+                self._pending_activation = state.activation
+                return LIVE
+            if final is not None:
+                log.warning("%s: handed back, but the witness does not say so", config.node_id)
+            return None if follower.done() else await self._follow_on(link, follower)
         finally:
+            if handover is not None and not handover.done():
+                handover.cancel()
             if not follower.done():
                 follower.cancel()
             with contextlib.suppress(BaseException):
                 await follower
+
+    async def _follow_on(self, link: BackupLink, follower: asyncio.Task[None]) -> str | None:
+        """A hand-over that did not happen: follow until the link ends (the live ends it)."""
+        config = self.config
+        while not follower.done():
+            if self._stopping.is_set():
+                return BACKUP
+            if link.silent_for(time.monotonic()) > config.heartbeat_timeout:
+                return None
+            await asyncio.sleep(0.02)
         return None
+
+    def _activate_again(self) -> bool:
+        """The start rule from the backup loop: activate once our own old lease ran out."""
+        config = self.config
+        decision = self.witness.try_activate(config.node_id, [f"{config.host}:{config.stomp_port}"])
+        if decision.outcome is not Outcome.ACTIVATED or decision.lease is None:
+            return False
+        self.lease = decision.lease
+        self.activation = decision.lease.activation
+        self._pending_activation = self.activation  # _run_live renews it
+        self._record_activation(self.activation)
+        log.warning("%s activates again with the newest data: %s", config.node_id, decision.reason)
+        return True
 
     async def _take_over(self) -> bool:
         """The live is lost: activate when the witness allows it and we are still eligible."""

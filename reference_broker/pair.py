@@ -168,17 +168,29 @@ class BrokerPair:
         users = UsersFile()
         users.add(self.user, self.password)
         users.save(self.users_file)
+        # Both at once: after a failover the node with the newest data is the preferred
+        # backup, and the preferred live joins it as backup (then fails back). On a new pair
+        # the preferred live activates and the backup joins it.
         live, backup = self.nodes
         self._spawn(live)
-        self.wait_active(timeout)
         if self.start_backup:
             self._spawn(backup)
-            self.wait_synchronized(timeout)
+        deadline = time.monotonic() + timeout
+        active = self.wait_active(timeout)
+        if self.start_backup:
+            if self.allow_failback and active is not live:
+                # The preferred live synchronizes, then takes its role back.
+                while live.status().get("role") != "live":
+                    if time.monotonic() > deadline:
+                        raise PairError(f"node {live.name} did not fail back within {timeout}s")
+                    time.sleep(0.01)
+            self.wait_synchronized(max(0.1, deadline - time.monotonic()))
 
     def stop(self) -> None:
         """Stop every node this pair started: SIGTERM, then SIGKILL after a few seconds."""
         for node in self.nodes:
-            if node.process is None:
+            # A reaped process's pid may belong to another process by now: never signal it.
+            if node.process is None or node.process.poll() is not None:
                 continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(node.process.pid, signal.SIGCONT)
@@ -255,17 +267,24 @@ class BrokerPair:
 
     def kill(self, node: NodeProcess) -> None:
         """SIGKILL, and reap the process."""
-        if node.process is None:
+        if node.process is None or node.process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(node.process.pid, signal.SIGKILL)
         node.process.wait(10)
 
     def pause(self, node: NodeProcess) -> None:
-        os.kill(node.pid, signal.SIGSTOP)
+        os.kill(self._running_pid(node), signal.SIGSTOP)
 
     def resume(self, node: NodeProcess) -> None:
-        os.kill(node.pid, signal.SIGCONT)
+        os.kill(self._running_pid(node), signal.SIGCONT)
+
+    @staticmethod
+    def _running_pid(node: NodeProcess) -> int:
+        # poll() reaps an exited child; after that its pid may be another process's.
+        if not node.running:
+            raise PairError(f"node {node.name} is not running")
+        return node.pid
 
     def restart(self, node: NodeProcess, timeout: float = 30.0) -> None:
         """Start a stopped or killed node again; it rejoins as backup (or fails back)."""

@@ -35,6 +35,7 @@ This module moves records; it never decides roles (the node does, with the witne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -48,6 +49,7 @@ from reference_broker.journal import Journal, Record
 from reference_broker.store import Store
 
 __all__ = [
+    "HANDOVER_TIMEOUT",
     "BackupLink",
     "Kind",
     "LiveReplicationServer",
@@ -63,7 +65,14 @@ _HEAD: Final = struct.Struct("<IB")
 _RECORD: Final = struct.Struct("<QBI")
 _SEQ: Final = struct.Struct("<Q")
 MAX_FRAME: Final = 64 * 1024 * 1024
+# How long a live that stopped serving for a hand-over waits for the backup to acknowledge
+# everything; past it, it serves again. The backup waits a little longer for HANDOVER_READY.
+HANDOVER_TIMEOUT: Final = 10.0
 SYNC_CHUNK: Final = 2000  # records per executor call while copying the journal
+# What the live keeps for a backup that is still copying: past it, the copy is abandoned (the
+# backup starts again) rather than the live's memory growing with its traffic.
+MAX_BACKLOG_BYTES: Final = 256 * 1024 * 1024
+DRAIN_TIMEOUTS: Final = 5  # heart-beat timeouts a copy waits for the backup to read a chunk
 FRAME_RECORD_BYTES: Final = 1024 * 1024  # a RECORDS frame is cut after this many bytes
 
 
@@ -179,6 +188,7 @@ class LiveReplicationServer:
         self._writer: asyncio.StreamWriter | None = None
         self._syncing = False
         self._backlog: list[Record] = []
+        self._backlog_bytes = 0
         # Batches for the sender task, which writes them frame by frame as the socket drains:
         # a batch holding a checkpoint can be hundreds of MiB, too much to hand the transport
         # at once without holding up the event loop.
@@ -187,10 +197,18 @@ class LiveReplicationServer:
         self.backup_id: str | None = None
         self.synchronized = False
         self.server: asyncio.Server | None = None
+        self._handover: asyncio.Task[None] | None = None  # at most one per live
+        self._link: asyncio.Task[Any] | None = None  # the task serving the attached backup
+        self._keep_eligibility = False
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._accept, host, port, reuse_address=True)
         return int(self.server.sockets[0].getsockname()[1])
+
+    def keep_eligibility(self) -> None:
+        """The live stops confirming for good (its journal failed): a synchronized backup
+        holds everything confirmed, so the end of the link need not revoke its eligibility."""
+        self._keep_eligibility = True
 
     async def close(self) -> None:
         if self.server is not None:
@@ -203,16 +221,21 @@ class LiveReplicationServer:
     def replicate(self, records: list[Record]) -> None:
         if self._syncing:
             self._backlog.extend(records)
+            self._backlog_bytes += sum(_RECORD.size + len(r.payload) for r in records)
         elif self._writer is not None and not self._writer.is_closing():
             self._outbox.append(records)
             self._outbox_ready.set()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._writer is not None and not self._writer.is_closing():
-            log.warning("a second backup tried to attach; refused")
+        # One link at a time: the sync state below is the link's. A connection that arrives
+        # while the previous link is still alive, or still ending, is refused; the backup
+        # tries again.
+        if self._writer is not None or (self._link is not None and not self._link.done()):
+            log.warning("a second backup connection while one is attached; refused")
             writer.close()
             return
         self._writer = writer
+        self._link = asyncio.current_task()
         try:
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
@@ -221,12 +244,12 @@ class LiveReplicationServer:
             self.synchronized = False
             self._syncing = False
             self._backlog = []
+            self._backlog_bytes = 0
             self._outbox.clear()
-            if self._writer is writer:
-                self._writer = None
-                if self.backup_id is not None:
-                    self._on_eligibility(self.backup_id, False)
-                self.store.detach_replica(f"link to backup {self.backup_id} lost")
+            self._writer = None
+            if self.backup_id is not None and not self._keep_eligibility:
+                self._on_eligibility(self.backup_id, False)
+            self.store.detach_replica(f"link to backup {self.backup_id} lost")
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -245,12 +268,14 @@ class LiveReplicationServer:
         sender: asyncio.Task[None] | None = None
         try:
             await self._copy_journal(writer, upto)
+            self._check_backlog()
             write_frame(writer, Kind.SYNC_END, _SEQ.pack(upto))
             # Everything written since SYNC_BEGIN follows, in order. From here on nothing is
             # confirmed before the backup acknowledged it (synchronous at once); the records
             # confirmed during the copy are the backlog, so the backup is eligible only once
             # it acknowledged everything written so far, the backlog included.
             backlog, self._backlog, self._syncing = self._backlog, [], False
+            self._backlog_bytes = 0
             target = self.store.local_seq
             self.store.replica_synchronized(0)
             if backlog:
@@ -276,27 +301,45 @@ class LiveReplicationServer:
             writer.close()  # the ack reader sees the link end
 
     async def _copy_journal(self, writer: asyncio.StreamWriter, upto: int) -> None:
+        """Send the journal up to `upto`, reading it once: one iterator, one segment in memory
+        at a time, SYNC_CHUNK records per trip to the journal thread."""
         journal = self.store.journal
-        cursor = 0
-        while cursor < upto:
-            after = cursor
+        records_iter: Iterator[Record] | None = None
 
-            def chunk(after: int = after) -> list[Record]:
-                out: list[Record] = []
-                for record in journal.records_after(after):
-                    if record.seq > upto:
-                        break
-                    out.append(record)
-                    if len(out) >= SYNC_CHUNK:
-                        break
-                return out
+        def chunk() -> list[Record]:
+            nonlocal records_iter
+            if records_iter is None:
+                records_iter = journal.records_after(0)
+            out: list[Record] = []
+            for record in records_iter:
+                if record.seq > upto:
+                    break
+                out.append(record)
+                if record.seq == upto or len(out) >= SYNC_CHUNK:
+                    break
+            return out
 
+        while True:
             records = await self.store.run(chunk)
             if not records:
-                break
+                return
             write_records(writer, records)
-            await writer.drain()
-            cursor = records[-1].seq
+            await self._drain(writer)
+            if records[-1].seq >= upto:
+                return
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        """Wait for the backup to read what was written, for a bounded time: the backup's
+        PINGs are not read during the copy, so a backup that stopped would hold it forever."""
+        await asyncio.wait_for(writer.drain(), DRAIN_TIMEOUTS * self.timeout)
+        self._check_backlog()
+
+    def _check_backlog(self) -> None:
+        if self._backlog_bytes > MAX_BACKLOG_BYTES:
+            raise ConnectionError(
+                f"{self._backlog_bytes} bytes written since SYNC_BEGIN are waiting for the "
+                f"copy to end, more than {MAX_BACKLOG_BYTES}: synchronization abandoned"
+            )
 
     async def _read_acks(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: int
@@ -324,11 +367,22 @@ class LiveReplicationServer:
                 handover_asked = True
             else:
                 raise ReplicationProtocolError(f"unexpected {kind.name} from the backup")
-            if handover_asked and self.synchronized:
+            if handover_asked and self.synchronized and self._handover is None:
+                # Its own task: the hand-over waits for ACKs that only this loop reads.
                 handover_asked = False
-                final = await self._on_handover()
-                write_frame(writer, Kind.HANDOVER_READY, _SEQ.pack(final))
-                await writer.drain()
+                self._handover = asyncio.get_running_loop().create_task(self._hand_over(writer))
+
+    async def _hand_over(self, writer: asyncio.StreamWriter) -> None:
+        try:
+            final = await self._on_handover()
+        except Exception as exc:  # noqa: BLE001 - any failure ends this attempt the same way
+            # The live serves on; the backup learns it from the link ending and resynchronizes.
+            log.warning("hand-over to backup %s failed: %s", self.backup_id, exc)
+            writer.close()
+            return
+        write_frame(writer, Kind.HANDOVER_READY, _SEQ.pack(final))
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.drain()
 
     async def _ping(self, writer: asyncio.StreamWriter) -> None:
         while not writer.is_closing():
@@ -433,6 +487,8 @@ class BackupLink:
             pinger.cancel()
             self._writer = None
             writer.close()
+            if self._handover is not None and not self._handover.done():
+                self._handover.set_exception(ConnectionError("the link to the live ended"))
 
     def silent_for(self, now: float) -> float:
         """How long the live has been silent: 0 while this end is storing records, as
@@ -440,7 +496,11 @@ class BackupLink:
         return 0.0 if self._storing else now - self.last_seen
 
     async def request_handover(self) -> int:
-        """Failback: ask the live to step down; returns its final sequence number."""
+        """Failback: ask the live to step down; returns its final sequence number.
+
+        Raises ConnectionError if the link ends first: the live may have handed the role over
+        all the same (the witness says), having seen this end acknowledge everything.
+        """
         if self._writer is None or not self.synchronized:
             raise ConnectionError("not synchronized with a live")
         self._handover = asyncio.get_running_loop().create_future()

@@ -96,6 +96,9 @@ class Store:
         self.synchronous = False  # the backup is synchronized: confirmations wait for it
         self.replica_seq = 0  # highest seq the attached backup acknowledged
         self._closed = False
+        # A journal write or fsync failed: this store confirms nothing more, ever. The node
+        # must stop serving (its clients would wait forever) and give the role up.
+        self.failed = False
 
     # --- the journal thread ---------------------------------------------------------------
 
@@ -181,6 +184,7 @@ class Store:
             log.exception("journal write failed; the node stops confirming")
             self._fail_all(FencedError(f"journal write failed: {exc}"))
             self._closed = True
+            self.failed = True
             return
         finally:
             self._writing = False
@@ -192,6 +196,23 @@ class Store:
     async def durable_barrier(self) -> None:
         """Wait until everything persisted so far is durable everywhere it must be."""
         await self.persist([])
+
+    async def replica_caught_up(self, timeout: float) -> bool:
+        """Wait until a synchronous backup acknowledged everything written or being written.
+
+        False if there is no synchronous backup (any more) or the timeout ran out first. For a
+        hand-over, once nothing new is submitted: the acknowledgements it waits for are read by
+        the replication link's own task.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.replica is not None and self.synchronous and not self._closed:
+            if not self._writing and not self._pending and self.replica_seq >= self.local_seq:
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return False
 
     async def compact_before(self, seq: int) -> CompactionReport | None:
         """`compact_before` on the journal thread, after everything submitted before it."""

@@ -1761,3 +1761,22 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 TestEngineMachine = EngineMachine.TestCase
+
+
+def test_one_poll_hands_an_auto_ack_consumer_a_bounded_share_of_a_backlog() -> None:
+    """Without a window to stop it, an auto-acknowledging consumer would take a whole queue
+    into memory (and its connection's write buffer) in one turn; the rest waits for the next."""
+    engine = Engine(EngineConfig(dispatch_per_poll=1000))
+    conn = engine.connect()
+    for i in range(5000):
+        engine.send("queue://backlog", b"%d" % i, persistent=True)
+    engine.subscribe(conn, "queue://backlog", ack_mode=AckMode.AUTO)
+    batches = []
+    while True:
+        batch = engine.poll(0.0)
+        if not batch:
+            break
+        batches.append(len(batch))
+        assert engine.dispatch_pending == (sum(batches) < 5000)
+    assert batches == [1000] * 5
+    assert not engine.dispatch_pending

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from reference_broker import replication
 from reference_broker.journal import Journal, Record, SyncPolicy
 from reference_broker.replication import (
+    DRAIN_TIMEOUTS,
+    SYNC_CHUNK,
     BackupLink,
     Kind,
     LiveReplicationServer,
@@ -24,7 +28,7 @@ from reference_broker.replication import (
     read_frame,
     write_frame,
 )
-from reference_broker.store import Store
+from reference_broker.store import FencedError, Store
 
 TYPE = 0x40  # any record type: the link never reads what records mean
 _SEQ_BYTES = 8
@@ -195,5 +199,267 @@ def test_the_backup_acknowledges_nothing_before_sync_end(tmp_path: Path) -> None
         assert acks == [3, 4]
         for store in stores:
             await store.close()
+
+    asyncio.run(main())
+
+
+async def synchronized_backup(live: Live) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A scripted backup that copied the live's journal and is eligible."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+    write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+    while (await next_frame(reader))[0] is not Kind.SYNC_END:
+        pass
+    ack(writer, live.store.local_seq)
+    await until(lambda: live.eligible)
+    return reader, writer
+
+
+@pytest.mark.timeout(30)
+def test_a_hand_over_under_traffic_reads_the_acks_it_waits_for(tmp_path: Path) -> None:
+    """The hand-over waits until the backup acknowledged everything; those ACKs arrive on the
+    link the hand-over was asked on, so it must not hold up the reading of that link."""
+
+    async def main() -> None:
+        async def handover() -> int:
+            await live.store.durable_barrier()
+            return live.store.local_seq
+
+        live = Live(tmp_path / "live", on_handover=handover)
+        await live.store.persist([(TYPE, b"before")])
+        await live.start()
+        reader, writer = await synchronized_backup(live)
+        sent = live.store.persist([(TYPE, b"in flight")])
+        kind, payload = await next_frame(reader)
+        assert kind is Kind.RECORDS
+        (record,) = decode_records(payload)
+        write_frame(writer, Kind.HANDOVER)  # asked before the last batch is acknowledged
+        await asyncio.sleep(0.05)
+        ack(writer, record.seq)
+        kind, payload = await next_frame(reader)
+        assert kind is Kind.HANDOVER_READY
+        assert seq_of(payload) == record.seq
+        await asyncio.wait_for(sent, 5)
+        writer.close()
+        await live.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_hand_over_the_backup_never_acknowledges_gives_up_in_time(tmp_path: Path) -> None:
+    async def main() -> None:
+        gave_up: list[bool] = []
+
+        async def handover() -> int:
+            caught_up = await live.store.replica_caught_up(0.3)
+            gave_up.append(not caught_up)
+            if not caught_up:
+                raise ConnectionError("the backup did not acknowledge everything in time")
+            return live.store.local_seq
+
+        live = Live(tmp_path / "live", on_handover=handover)
+        await live.start()
+        reader, writer = await synchronized_backup(live)
+        live.store.persist([(TYPE, b"never acknowledged")])
+        write_frame(writer, Kind.HANDOVER)
+        # The live serves on and ends the link: the backup resynchronizes.
+        kinds: list[Kind] = []
+
+        async def read_to_the_end() -> None:
+            while True:
+                kinds.append((await next_frame(reader))[0])
+
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+            await read_to_the_end()
+        assert Kind.HANDOVER_READY not in kinds
+        assert gave_up == [True]
+        writer.close()
+        await live.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_hand_over_request_fails_when_the_link_ends(tmp_path: Path) -> None:
+    async def main() -> None:
+        async def scripted_live(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await next_frame(reader)  # HELLO
+            begin = {"live": "live", "activation": 1, "upto": 0}
+            write_frame(writer, Kind.SYNC_BEGIN, json.dumps(begin).encode())
+            write_frame(writer, Kind.SYNC_END, (0).to_bytes(_SEQ_BYTES, "little"))
+            assert (await next_frame(reader))[0] is Kind.ACK
+            assert (await next_frame(reader))[0] is Kind.HANDOVER
+            writer.close()  # the live dies before it answers
+
+        server = await asyncio.start_server(scripted_live, "127.0.0.1", 0)
+        stores: list[Store] = []
+
+        async def open_store() -> Store:
+            stores.append(Store(Journal.open(tmp_path / "backup", sync=SyncPolicy.never())))
+            return stores[-1]
+
+        link = BackupLink(
+            node_id="backup",
+            timeout=2.0,
+            open_store=open_store,
+            on_synchronized=lambda live, activation: None,
+        )
+        follower = asyncio.ensure_future(
+            link.follow("127.0.0.1", server.sockets[0].getsockname()[1])
+        )
+        await until(lambda: link.synchronized)
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(link.request_handover(), 5)
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await follower
+        server.close()
+        for store in stores:
+            await store.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_the_initial_copy_reads_the_journal_once(tmp_path: Path) -> None:
+    """One iterator over the journal, not one read from the start per chunk of SYNC_CHUNK."""
+
+    async def main() -> None:
+        live = Live(tmp_path / "live")
+        await live.store.persist([(TYPE, b"%d" % i) for i in range(5 * SYNC_CHUNK + 7)])
+        reads: list[int] = []
+        records_after = live.journal.records_after
+
+        def counted(seq: int) -> Iterator[Record]:
+            reads.append(seq)
+            return records_after(seq)
+
+        live.journal.records_after = counted  # type: ignore[method-assign]
+        await live.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        copied: list[int] = []
+        while True:
+            kind, payload = await next_frame(reader)
+            if kind is Kind.SYNC_END:
+                break
+            if kind is Kind.RECORDS:
+                copied += [r.seq for r in decode_records(payload)]
+        assert copied == list(range(1, 5 * SYNC_CHUNK + 8))
+        assert reads == [0]
+        writer.close()
+        await live.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_backup_that_stops_reading_during_the_copy_is_dropped_in_time(tmp_path: Path) -> None:
+    async def main() -> None:
+        live = Live(tmp_path / "live", timeout=0.2)
+        await live.store.persist([(TYPE, b"c" * 100_000) for _ in range(200)])
+        await live.start()
+        _, writer = await asyncio.open_connection("127.0.0.1", live.port)
+        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        started = asyncio.get_running_loop().time()
+        # Read nothing: the live's copy waits for the socket to drain, then gives up.
+        await until(lambda: live.store.replica is None and live.eligibility != [], timeout=10)
+        waited = asyncio.get_running_loop().time() - started
+        assert waited < DRAIN_TIMEOUTS * 0.2 + 2.0
+        assert not live.eligible
+        writer.close()
+        await live.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_backlog_past_its_bound_abandons_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(replication, "MAX_BACKLOG_BYTES", 10_000)
+
+    async def main() -> None:
+        live = Live(tmp_path / "live")
+        # Two chunks: the backlog is written between the copy's two reads of the journal.
+        await live.store.persist([(TYPE, b"c" * 100) for _ in range(SYNC_CHUNK + 10)])
+        await live.start()
+        journal_busy = threading.Event()
+        held = asyncio.ensure_future(live.store.run(journal_busy.wait))  # the copy waits
+        reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        assert (await next_frame(reader))[0] is Kind.SYNC_BEGIN
+        backlog = live.store.persist([(TYPE, b"b" * 1000) for _ in range(20)])  # 20 kB
+        await asyncio.sleep(0.05)  # its write is queued behind the copy's first read
+        journal_busy.set()
+        await held
+        await backlog
+        kinds: list[Kind] = []
+
+        async def read_to_the_end() -> None:
+            while True:
+                kinds.append((await next_frame(reader))[0])
+
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+            await read_to_the_end()
+        assert Kind.SYNC_END not in kinds
+        assert live.store.replica is None
+        writer.close()
+        await live.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_second_backup_connection_never_shares_the_sync_state_of_the_first(
+    tmp_path: Path,
+) -> None:
+    """While the first link is still ending, a new connection is refused: accepting it would
+    let the first link's clean-up reset the state the second one synchronizes with."""
+
+    async def main() -> None:
+        live = Live(tmp_path / "live", timeout=1.0)
+        await live.store.persist([(TYPE, b"x")])
+        await live.start()
+        journal_busy = threading.Event()
+        held = asyncio.ensure_future(live.store.run(journal_busy.wait))  # the copy waits
+        _, first_writer = await asyncio.open_connection("127.0.0.1", live.port)
+        write_frame(first_writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        await until(lambda: live.store.replica is not None)
+        server_side = live.server._writer  # the first link's end on the live
+        assert server_side is not None
+        server_side.close()  # closing, while its task still waits for the journal
+        reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        try:
+            with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+                await next_frame(reader)  # refused
+        finally:
+            journal_busy.set()
+            await held
+        writer.close()
+        await until(lambda: live.store.replica is None)  # the first link has ended
+        _, again_writer = await synchronized_backup(live)
+        assert live.server.synchronized
+        again_writer.close()
+        first_writer.close()
+        await live.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_journal_write_fails_the_store_for_good(tmp_path: Path) -> None:
+    async def main() -> None:
+        journal = Journal.open(tmp_path / "live", sync=SyncPolicy.never())
+        store = Store(journal)
+        await store.persist([(TYPE, b"ok")])
+        assert not store.failed
+        await store.run(journal.close)  # the next write fails
+        with pytest.raises(FencedError):
+            await store.persist([(TYPE, b"lost")])
+        assert store.failed
+        with pytest.raises(FencedError):
+            await store.persist([(TYPE, b"after")])
+        await store.close()
 
     asyncio.run(main())
