@@ -42,6 +42,7 @@ SINK_OPTIONS: Final = (
     "key_column",
     "delivery_guarantee",
     "commit_log",
+    "batch_id",
 )
 # Options Spark itself adds to a streaming sink's map; they are not ours to judge.
 _SPARK_OPTIONS: Final = frozenset({"checkpointlocation", "path", "queryname"})
@@ -63,6 +64,8 @@ class SinkOptions:
     delivery_guarantee: DeliveryGuarantee = DeliveryGuarantee.EXACTLY_ONCE
     # A file the driver appends one JSON line to per committed or aborted batch.
     commit_log: str | None = None
+    # A batch write's batch id (the foreachBatch helper passes Spark's); None: "write".
+    batch_id: str | None = None
 
     @property
     def connection_key(self) -> tuple[str, str | None, str | None]:
@@ -120,6 +123,13 @@ class SinkOptions:
                 + ", ".join(g.value for g in DeliveryGuarantee)
             ) from None
 
+        batch_id = given.get("batch_id")
+        if batch_id is not None and not _SINK_ID.fullmatch(batch_id):
+            raise ConfigurationError(
+                f'option "batch_id" is {batch_id!r}: use 1 to 100 letters, digits, ".", "_" '
+                'or "-" (foreachBatch passes its batch id, a number)'
+            )
+
         key_column = given.get("key_column")
         if key_column is not None and not key_column.strip():
             raise ConfigurationError('option "key_column" is empty: name a column or leave it out')
@@ -134,6 +144,7 @@ class SinkOptions:
             key_column=key_column,
             delivery_guarantee=guarantee,
             commit_log=given.get("commit_log") or None,
+            batch_id=batch_id,
         )
 
 

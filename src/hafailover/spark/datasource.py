@@ -8,10 +8,11 @@ connection (``_worker``) and returns a ``SinkCommit``; the driver logs the batch
 in ``commit``/``abort``.
 
 Batch ids: a streaming task reads its micro-batch id from the task's local properties (the
-stream writer's ``write`` is not given it). A batch write has no batch id: its rows are
-numbered under the batch id ``write`` and a sink id that is fresh per ``save()`` unless the
-``sink_id`` option names one, in which case running the same write again is dropped by the
-broker as a duplicate (a rerun of a failed job completes it without duplicating).
+stream writer's ``write`` is not given it). A batch write's rows are numbered under the
+``batch_id`` option (the foreachBatch helper passes Spark's) or ``write``, and a sink id that
+is fresh per ``save()`` unless the ``sink_id`` option names one, in which case running the
+same write again is dropped by the broker as a duplicate (a rerun of a failed job completes
+it without duplicating).
 
 The writers use the Arrow variants: rows reach ``write`` as Arrow record batches, converted
 column by column, which is several times cheaper than Spark's Row objects.
@@ -66,13 +67,18 @@ class HaFailoverDataSource(DataSource):
                 'cannot be taken back; use mode "append"'
             )
         options, plan = self._checked(schema)
-        sink_id = options.sink_id or f"write-{uuid.uuid4().hex}"
+        # Short: the id is part of every message's duplicate id, which the window weighs.
+        sink_id = options.sink_id or f"w{uuid.uuid4().hex[:16]}"
         return BatchWriter(options, plan, sink_id)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> StreamWriter:  # noqa: N802 - Spark's name
         # "overwrite" is set in complete output mode: every batch then sends the whole
         # result again, as new messages (as Spark's Kafka sink does).
         options, plan = self._checked(schema)
+        if options.batch_id is not None:
+            raise ConfigurationError(
+                'option "batch_id" is for batch writes: a streaming query numbers its batches'
+            )
         return StreamWriter(options, plan)
 
 
@@ -83,18 +89,19 @@ class BatchWriter(DataSourceArrowWriter):
         self.options = options
         self.plan = plan
         self.sink_id = sink_id
+        self.batch_id = options.batch_id or BATCH_WRITE_ID
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> SinkCommit:
         return SinkCommit(
-            _write_partition(iterator, self.options, self.plan, self.sink_id, BATCH_WRITE_ID)
+            _write_partition(iterator, self.options, self.plan, self.sink_id, self.batch_id)
         )
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
-        report = BatchReport.from_commits(messages, committed=True, batch_id=BATCH_WRITE_ID)
+        report = BatchReport.from_commits(messages, committed=True, batch_id=self.batch_id)
         log_report(report, self.options.commit_log, in_worker=True)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
-        report = BatchReport.from_commits(messages, committed=False, batch_id=BATCH_WRITE_ID)
+        report = BatchReport.from_commits(messages, committed=False, batch_id=self.batch_id)
         log_report(report, self.options.commit_log, in_worker=True)
 
 
