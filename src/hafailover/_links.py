@@ -22,14 +22,19 @@ from typing import Any, Final, Protocol
 
 from hafailover.adapters.amqp import AmqpTransaction, AmqpTransport, Outcome
 from hafailover.adapters.base import Opened
-from hafailover.adapters.stomp import StompTransport, send_headers
+from hafailover.adapters.stomp import (
+    STOMP_TEMPORARY_PREFIX,
+    StompTransport,
+    send_headers,
+    stomp_address,
+)
 from hafailover.destination import Destination, DestinationKind
 from hafailover.errors import NotConnectedError, ProtocolError, RemoteError, UnblockedError
 from hafailover.message import Message
 from hafailover.url import BrokerAddress, FailoverPolicy
 from hafailover.window import ConfirmationWindow
 
-__all__ = ["AmqpLink", "Link", "LinkEvents", "StompLink", "make_link", "stomp_address"]
+__all__ = ["AmqpLink", "Link", "LinkEvents", "StompLink", "make_link"]
 
 # A STOMP receipt the driver waits for carries its token after this prefix.
 _TOKEN_PREFIX: Final = "hafailover-call:"  # noqa: S105 - a receipt prefix, not a secret
@@ -119,19 +124,6 @@ class Link(Protocol):
 
 _SERIALS: Final = itertools.count(1)
 
-# STOMP temporary queues are named by the client and scoped by the broker to the connection
-# (``/temp-queue/NAME``); names with this prefix are ours and are sent in that form.
-_STOMP_TEMPORARY: Final = "hafailover-tmp-"
-
-
-def stomp_address(destination: Destination) -> str:
-    """The STOMP destination header for a destination."""
-    if destination.kind is DestinationKind.TEMPORARY_QUEUE and destination.name.startswith(
-        _STOMP_TEMPORARY
-    ):
-        return f"/temp-queue/{destination.name}"
-    return destination.stomp
-
 
 class StompLink:
     """A link over one stomp.py connection, with frames numbered for the window."""
@@ -180,8 +172,14 @@ class StompLink:
         size = self._transport.write(command, headers, body)
         if not self.windowed:
             return -1
+        # Only SENDs wait for room (the driver checks before writing); the frame is on the
+        # wire already, so it is numbered whatever the window holds.
         return self.window.record(
-            (command, headers, body), size, replayable=replayable, resendable=resendable
+            (command, headers, body),
+            size,
+            replayable=replayable,
+            resendable=resendable,
+            force=True,
         )
 
     def send(
@@ -259,8 +257,15 @@ class StompLink:
         if wanted is not None:
             return wanted
         return Destination(
-            DestinationKind.TEMPORARY_QUEUE, f"{_STOMP_TEMPORARY}{uuid.uuid4().hex[:16]}"
+            DestinationKind.TEMPORARY_QUEUE, f"{STOMP_TEMPORARY_PREFIX}{uuid.uuid4().hex[:16]}"
         )
+
+    def sync(self, token: int) -> None:
+        """A frame that does nothing but ask for a receipt (an empty transaction rolled
+        back): with receipts in frame order it confirms everything written before it."""
+        name = f"sync-{self.serial}-{next(self._tx_names)}"
+        self._write("BEGIN", {"transaction": name})
+        self._write("ABORT", {"transaction": name, "receipt": f"{_TOKEN_PREFIX}{token}"})
 
     def replay(self, payload: object) -> None:
         assert isinstance(payload, tuple)
@@ -374,17 +379,9 @@ class AmqpLink:
         )
 
     def acknowledge(self, subscription: str, tag: str, *, tx: object, token: int | None) -> None:
-        transaction = _transaction(tx)
-        # Outside a transaction the broker's settlement confirms the acknowledge; inside
-        # one, the commit does.
-        self._transport.settle(
-            int(tag),
-            Outcome.ACCEPTED,
-            tx=transaction,
-            token=token if transaction is None else None,
-        )
-        if token is not None and transaction is not None:
-            self.events.link_completed(self, token, None)
+        # The broker's settlement confirms the acknowledge (inside a transaction: that the
+        # broker holds it in the transaction).
+        self._transport.settle(int(tag), Outcome.ACCEPTED, tx=_transaction(tx), token=token)
 
     def redeliver(self, subscription: str, tag: str) -> None:
         self._transport.settle(int(tag), Outcome.MODIFIED)

@@ -120,6 +120,10 @@ log = logging.getLogger("hafailover")
 # The largest message body a producer accepts (a clear error instead of a broker's refusal).
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_PREFETCH: Final = 100
+# With a broker whose receipts come in frame order (the reattach extension promises it), one
+# receipt confirms every send before it: ask for one every this many confirmed sends, and
+# whenever somebody waits.
+RECEIPT_EVERY: Final = 32
 
 _ERRORS_BY_CODE: Final[Mapping[ErrorCode, type[HaFailoverError]]] = {
     ErrorCode.DISCONNECT: DisconnectedError,
@@ -232,6 +236,10 @@ class SendCompletion:
 
 _KIND_SEND: Final = "send"
 _KIND_CALL: Final = "call"  # ack, commit, rollback: not resendable
+_KIND_SYNC: Final = "sync"  # a frame written only for its receipt
+
+
+_Callback = tuple[Callable[["SendCompletion"], None], "SendCompletion"]
 
 
 @attrs.define(slots=True)
@@ -244,6 +252,7 @@ class _Pending:
     producer: Producer | None = None
     resendable: bool = False
     consumer: Consumer | None = None  # a subscription waiting for the broker
+    cumulative: bool = False  # confirmed by its own or any later receipt (in _receipt_order)
 
 
 # --- the connection ------------------------------------------------------------------------
@@ -298,6 +307,10 @@ class Connection:
         self._session_token: str | None = None  # the broker's session id, for reattach
         self._pending: dict[int, _Pending] = {}
         self._unblock: set[int] = set()  # calls a reconnect releases with UNBLOCKED (F3)
+        # Cumulative receipts (windowed STOMP links): confirmed sends in wire order, and how
+        # many were written since the last frame that asked for a receipt.
+        self._receipt_order: collections.deque[int] = collections.deque()
+        self._unreceipted = 0
         self._tokens = itertools.count(1)
         self._sessions: dict[int, Session] = {}
         self._browsing: dict[str, Browser] = {}  # browse subscription -> its browser
@@ -590,6 +603,8 @@ class Connection:
         sort the waiting calls into resends and in-doubt ones."""
         # The pending calls say what to resend; the window only restarts its ids.
         self._window.reconnect()
+        self._receipt_order.clear()
+        self._unreceipted = 0
         resends: list[int] = []
         self._unblock = {
             token
@@ -636,6 +651,7 @@ class Connection:
                 if pending is None or pending.completion.message is None:
                     continue
                 assert pending.destination is not None
+                pending.cumulative = False
                 pending.command_id = link.send(
                     pending.destination, pending.completion.message, tx=None, token=token
                 )
@@ -813,7 +829,9 @@ class Connection:
             pending = self._pending.get(token)
             if pending is None:
                 return
-            if error is None:
+            if error is None and pending.cumulative:
+                callbacks = self._complete_through(token)
+            elif error is None:
                 if pending.kind == _KIND_SEND:
                     self._confirmed += 1
                 callbacks = self._complete_locked(token, None)
@@ -827,8 +845,8 @@ class Connection:
                     # reconnect does not ask again (and get refused again).
                     consumer._closed = True
                     consumer.session._consumers.pop(consumer.subscription, None)
-        for callback in callbacks:
-            self._run_callback(callback, pending.completion)
+        for callback, completion in callbacks:
+            self._run_callback(callback, completion)
 
     def link_confirmed(self, link: Any, upto: int) -> None:
         with self._cond:
@@ -908,25 +926,65 @@ class Connection:
         self._pending[token] = pending
         return token
 
-    def _complete_locked(self, token: int, error: None) -> list[Callable[[SendCompletion], None]]:
+    def _complete_locked(self, token: int, error: None) -> list[_Callback]:
         pending = self._pending.pop(token, None)
         if pending is None:
             return []
         if pending.producer is not None:
             pending.producer._outstanding -= 1
         self._cond.notify_all()
-        return pending.completion._finish(None)
+        completion = pending.completion
+        return [(c, completion) for c in completion._finish(None)]
 
-    def _fail_locked(
-        self, token: int, error: HaFailoverError
-    ) -> list[Callable[[SendCompletion], None]]:
+    def _complete_through(self, token: int) -> list[_Callback]:
+        """A receipt in frame order: every cumulative call up to ``token`` is confirmed."""
+        callbacks: list[_Callback] = []
+        order = self._receipt_order
+        pending_calls = self._pending
+        while order:
+            done = order.popleft()
+            pending = pending_calls.pop(done, None)
+            if pending is not None:
+                if pending.kind == _KIND_SEND:
+                    self._confirmed += 1
+                if pending.producer is not None:
+                    pending.producer._outstanding -= 1
+                completion = pending.completion
+                callbacks.extend((c, completion) for c in completion._finish(None))
+            if done == token:
+                break
+        self._cond.notify_all()
+        return callbacks
+
+    def _ask_for_receipt(self) -> None:
+        """Under the lock: someone waits for a cumulative confirmation that no written frame
+        has asked for yet; write one frame that asks."""
+        link = self._link
+        if self._unreceipted == 0 or link is None or not self._machine.is_up:
+            return
+        if not isinstance(link, StompLink):
+            return
+        token = self._register(
+            _Pending(_KIND_SYNC, SendCompletion(self, None), None, -1, cumulative=True)
+        )
+        try:
+            link.sync(token)
+        except HaFailoverError as exc:
+            self._pending.pop(token, None)
+            self._io_failed(link, exc)
+            return
+        self._receipt_order.append(token)
+        self._unreceipted = 0
+
+    def _fail_locked(self, token: int, error: HaFailoverError) -> list[_Callback]:
         pending = self._pending.pop(token, None)
         if pending is None:
             return []
         if pending.producer is not None:
             pending.producer._outstanding -= 1
         self._cond.notify_all()
-        return pending.completion._finish(error)
+        completion = pending.completion
+        return [(c, completion) for c in completion._finish(error)]
 
     @staticmethod
     def _run_callback(
@@ -943,6 +1001,7 @@ class Connection:
         with self._cond:
             last = time.monotonic()
             while not completion._done:
+                self._ask_for_receipt()
                 if budget <= 0:
                     raise CallTimeoutError(
                         f"the broker did not answer within {self.policy.call_timeout}s"
@@ -1016,6 +1075,8 @@ class Session:
         self._dispatcher: threading.Thread | None = None
         self._browsers: list[Browser] = []
         self._auto_ack: SendCompletion | None = None  # AUTO: the last acknowledge, in flight
+        self._tx_sends: list[SendCompletion] = []  # AMQP: transactional transfers unsettled
+        self._commit_link = 0  # serial of the link a running commit() belongs to
 
     @property
     def transacted(self) -> bool:
@@ -1136,8 +1197,14 @@ class Session:
     def _acknowledge_delivery(self, delivery: Any) -> None:
         connection = self.connection
         with connection._cond:
-            decision = self.rules.acknowledge(delivery)
+            rules = self.rules
+            held = rules.unacknowledged if isinstance(rules, ClientAckRules) else ()
+            decision = rules.acknowledge(delivery)
             if decision.action is AckAction.RAISE:
+                # F8: recover implicitly: what was delivered since the failover goes back
+                # to the broker too (what came before it went back with the old session).
+                if decision.recover:
+                    self._give_back(held)
                 self._recover_locked(decision)
                 assert decision.code is not None
                 raise _error_for(
@@ -1200,7 +1267,11 @@ class Session:
         connection = self.connection
         with connection._cond:
             decision = transaction.begin_commit()
+            # The commit belongs to this link: if a failover replaces it before the commit
+            # is written, the transaction rules decide its fate (it never moves links).
+            self._commit_link = getattr(connection._link, "serial", 0)
             if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
+                self._tx_sends = []
                 received = tx_rules.received_in_transaction()
                 tx_rules.transaction_ended()
                 handle = self._take_tx()
@@ -1227,16 +1298,11 @@ class Session:
                         "the transaction was lost with its connection; replay its work"
                     )
                 return
-        if handle is None:
-            # Only received so far: the acknowledges go in a broker transaction of their own.
-            try:
-                handle = self._ensure_tx()
-            except HaFailoverError:
-                with connection._cond:
-                    transaction.commit_finished()
-                    tx_rules.transaction_ended()
-                raise
         try:
+            if handle is None:
+                # Only received so far: the acknowledges go in a transaction of their own.
+                handle = self._ensure_tx()
+            self._settle_transfers()
             self._end_on_broker(handle, commit=True, received=received, quiet=False)
         except UnblockedError:
             with connection._cond:
@@ -1270,12 +1336,28 @@ class Session:
         connection = self.connection
         with connection._cond:
             decision = tx_rules.transaction.rollback()
+            self._tx_sends = []
             received = tx_rules.received_in_transaction()
             tx_rules.transaction_ended()
             handle = self._take_tx() if decision.rollback_on_broker else None
             for consumer in self._consumers.values():
                 consumer._drop_buffer(give_back=True)
         self._end_on_broker(handle, commit=False, received=received, quiet=True)
+
+    def _settle_transfers(self) -> None:
+        """AMQP: every transfer of the transaction settled by the broker before the
+        discharge; a refused one fails the commit (the transaction is rolled back)."""
+        sends, self._tx_sends = self._tx_sends, []
+        for completion in sends:
+            try:
+                completion.result()
+            except UnblockedError:
+                raise
+            except RemoteError as exc:
+                self.rollback()
+                raise TransactionRolledBackError(
+                    f"the broker refused a send of the transaction, which was rolled back: {exc}"
+                ) from exc
 
     def _take_tx(self) -> object:
         handle, self._tx = self._tx, None
@@ -1296,17 +1378,24 @@ class Session:
         completion = SendCompletion(connection, None)
         with connection._cond:
             link = connection._admit(connection._failover_deadline())
-            if self._tx_link != link.serial:
+            if self._tx_link != link.serial or (commit and link.serial != self._commit_link):
                 # The transaction died with its link while this call waited for the
                 # failover: a commit learns its fate from the transaction rules (F3, F9).
                 if commit:
                     raise UnblockedError("the transaction's connection failed over")
                 self._give_back(received)
                 return
+            settled: list[SendCompletion] = []
             if commit:
                 for tag in received:
+                    ack_token = None
+                    if isinstance(link, AmqpLink):
+                        # AMQP: the discharge must not overtake these dispositions.
+                        ack = SendCompletion(connection, None)
+                        ack_token = connection._register(_Pending(_KIND_CALL, ack, self, -1))
+                        settled.append(ack)
                     link.acknowledge(
-                        self._tag_subscriptions.get(tag, ""), tag, tx=handle, token=None
+                        self._tag_subscriptions.get(tag, ""), tag, tx=handle, token=ack_token
                     )
             token = connection._register(_Pending(_KIND_CALL, completion, self, -1))
             connection._pending[token].command_id = (
@@ -1323,6 +1412,8 @@ class Session:
                     self.rules.transaction.commit_written()  # type: ignore[attr-defined]
         try:
             if blocking:
+                for ack in settled:
+                    ack.result()
                 if commit:
                     with connection._cond:
                         self.rules.transaction.commit_written()  # type: ignore[attr-defined]
@@ -1389,6 +1480,7 @@ class Session:
             rolled_back = outcome.dirty and phase_before.value != "clean"
             if not reattached:
                 self._tx = None
+                self._tx_sends = []
         else:
             outcome = rules.failover(reattached=reattached)
         if outcome.discard_prefetched:
@@ -1518,13 +1610,8 @@ class Producer:
         time_to_live: float | None = None,
     ) -> Message:
         """Send and, for a persistent message, wait until the broker has it (F1, F3)."""
-        completion = self.send_async(
-            message,
-            destination=destination,
-            headers=headers,
-            persistent=persistent,
-            priority=priority,
-            time_to_live=time_to_live,
+        completion = self._send(
+            message, destination, headers, persistent, priority, time_to_live, receipt=True
         )
         completion.result()
         assert completion.message is not None
@@ -1541,6 +1628,21 @@ class Producer:
         time_to_live: float | None = None,
     ) -> SendCompletion:
         """Send without waiting; the completion tells when the broker confirmed it."""
+        return self._send(
+            message, destination, headers, persistent, priority, time_to_live, receipt=False
+        )
+
+    def _send(
+        self,
+        message: Message | bytes | str,
+        destination: str | Destination | None,
+        headers: Mapping[str, PropertyValue] | None,
+        persistent: bool | None,
+        priority: int | None,
+        time_to_live: float | None,
+        *,
+        receipt: bool,
+    ) -> SendCompletion:
         session = self.session
         session._check_open()
         target = self.destination if destination is None else parse_destination(destination)
@@ -1583,8 +1685,18 @@ class Producer:
                         )
                     )
                     self._outstanding += 1
+                elif transacted and isinstance(link, AmqpLink):
+                    # AMQP: the broker settles each transactional transfer; the discharge
+                    # must wait for them, or it can overtake transfers still waiting for
+                    # a new sender link's credit (and commit without them).
+                    token = connection._register(
+                        _Pending(_KIND_CALL, completion, session, -1, destination=target)
+                    )
+                    session._tx_sends.append(completion)
+                cumulative = token is not None and link.windowed
+                ask = not cumulative or receipt or connection._unreceipted >= RECEIPT_EVERY - 1
                 try:
-                    command_id = link.send(target, msg, tx=tx, token=token)
+                    command_id = link.send(target, msg, tx=tx, token=token if ask else None)
                 except HaFailoverError as exc:
                     if token is not None:
                         # The pending send stays: the failover resends it or releases it.
@@ -1600,6 +1712,10 @@ class Producer:
                     pending = connection._pending.get(token)
                     if pending is not None:
                         pending.command_id = command_id
+                        if cumulative:
+                            pending.cumulative = True
+                            connection._receipt_order.append(token)
+                            connection._unreceipted = 0 if ask else connection._unreceipted + 1
                 else:
                     completion._finish(None)
                 return completion
@@ -1611,6 +1727,7 @@ class Producer:
         with connection._cond:
             last = time.monotonic()
             while self._outstanding > 0:
+                connection._ask_for_receipt()
                 if budget <= 0:
                     raise CallTimeoutError(
                         f"{self._outstanding} send(s) still unconfirmed after the timeout"

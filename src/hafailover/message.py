@@ -11,6 +11,7 @@ Pure: no I/O; acknowledging a received message goes through the session that set
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 from collections.abc import Mapping
@@ -29,9 +30,15 @@ FRAME_OVERHEAD: Final = 128
 _PROPERTY_TYPES: Final = (str, int, float, bool)
 
 
+# A random prefix per process and a counter: unique across clients and restarts, and about
+# twenty times cheaper than a uuid4 per message (no system call).
+_ID_PREFIX: Final = f"ID:{uuid.uuid4().hex}:"
+_ID_COUNTER: Final = itertools.count(1)
+
+
 def new_message_id() -> str:
     """A message id unique across clients and restarts."""
-    return f"ID:{uuid.uuid4()}"
+    return f"{_ID_PREFIX}{next(_ID_COUNTER)}"
 
 
 def _check_body(instance: Message, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -137,14 +137,24 @@ class ConfirmationWindow(Generic[P]):
         return not self._entries or self._buffered + size <= self.size or self.size == -1
 
     def record(
-        self, payload: P, size: int, *, replayable: bool = True, resendable: bool = False
+        self,
+        payload: P,
+        size: int,
+        *,
+        replayable: bool = True,
+        resendable: bool = False,
+        force: bool = False,
     ) -> int:
-        """Number a sent command and keep it until confirmed; return its id."""
+        """Number a sent command and keep it until confirmed; return its id.
+
+        ``force`` records it even past the window: for the small control commands
+        (acknowledges, subscriptions, transaction frames) that flow control never holds
+        back, since the broker counts every command and the ids must stay in step."""
         command_id = self._next_id
         if self.size == -1:
             self._next_id = command_id + 1
             return command_id
-        if self._entries and self._buffered + size > self.size:
+        if not force and self._entries and self._buffered + size > self.size:
             raise WindowFullError(
                 f"confirmation window full: {self._buffered} of {self.size} bytes unconfirmed, "
                 f"command of {size} bytes must wait"

@@ -152,3 +152,13 @@ def test_losing_the_broker_is_reported_once(tmp_path: Path) -> None:
         events.wait(lambda: events.lost, timeout=5)
         time.sleep(0.5)
         assert len(events.lost) == 1
+
+
+def test_frames_escape_headers_and_always_carry_a_content_length() -> None:
+    from hafailover.adapters.stomp import encode_frame
+
+    frame = encode_frame("SEND", {"destination": "/queue/a", "odd:key": "line\nbreak\\"}, b"a\x00b")
+    assert frame == (
+        b"SEND\ndestination:/queue/a\nodd\\ckey:line\\nbreak\\\\\ncontent-length:3\n\na\x00b\x00"
+    )
+    assert encode_frame("ACK", {"id": "7"}) == b"ACK\nid:7\n\n\x00"

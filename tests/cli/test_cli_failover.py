@@ -44,13 +44,7 @@ def wait_for_lines(path: Path, count: int, process: subprocess.Popen[str], timeo
     ("protocol", "producer_args"),
     [
         ("stomp", ["--tx-batch", "10"]),
-        pytest.param(
-            "amqp",
-            ["--tx-batch", "10"],
-            marks=pytest.mark.xfail(
-                reason="library: an AMQP transacted producer's first commit is lost", strict=False
-            ),
-        ),
+        ("amqp", ["--tx-batch", "10"]),
         ("stomp", ["--pipeline", "20"]),
         ("amqp", ["--pipeline", "20"]),
     ],
@@ -101,6 +95,4 @@ def test_producer_and_consumer_survive_sigkill_of_live(
     assert confirmed - set(received) == set(), c_summary  # lost
     assert set(received) - confirmed == set()  # unexpected
     duplicates = sorted({seq for seq in received if received.count(seq) > 1})
-    if duplicates and protocol == "amqp":
-        pytest.xfail(f"library: AMQP commits redelivered after failover: {duplicates[:10]}")
     assert duplicates == [], c_summary

@@ -207,3 +207,16 @@ def test_window_replay_with_small_windows_hits_flow_control() -> None:
         w.record(i, size)
         assert w.buffered_bytes <= 64 + 50
     assert waits > 0
+
+
+def test_forced_commands_are_numbered_past_a_full_window() -> None:
+    """Control commands already on the wire are numbered even when sends must wait."""
+    w: ConfirmationWindow[str] = ConfirmationWindow(20)
+    w.record("send", 15)
+    assert not w.has_room(10)
+    with pytest.raises(WindowFullError):
+        w.record("another send", 10)
+    assert w.record("ack", 10, force=True) == 1
+    assert w.buffered_bytes == 25
+    assert w.confirm(1) == 2
+    assert w.buffered_bytes == 0

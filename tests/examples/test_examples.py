@@ -119,16 +119,7 @@ def test_browser(pair: BrokerPair, protocol: str) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "protocol",
-    [
-        pytest.param(
-            "stomp",
-            marks=pytest.mark.xfail(
-                reason="a STOMP temporary queue gets nothing from another connection",
-                strict=False,
-            ),
-        ),
-        "amqp",
-    ],
+    ["stomp", "amqp"],
 )
 def test_request_reply_over_a_temporary_queue(pair: BrokerPair, protocol: str) -> None:
     result = run_example("request_reply.py", url_of(pair, protocol))
@@ -158,8 +149,6 @@ def test_client_ack_recover_through_sigkill(fresh_pair: BrokerPair) -> None:
         fresh_pair, "client_ack_recover.py", [url_of(fresh_pair, "stomp"), "60"], "acknowledged 20"
     )
     assert "1 failover(s)" in out, out
-    if code != 0 and "stale acknowledge" in out:
-        pytest.xfail("library: the implicit recover of a stale acknowledge strands messages")
     assert code == 0, out
     assert "done 60 of 60" in out
 

@@ -692,9 +692,9 @@ class AmqpTransport:
         """Settle a received message (thread-safe, without waiting). A token of a delivery
         already settled, or of a link that has ended, is ignored.
 
-        With ``token`` (outside a transaction) the outcome is sent unsettled and the delivery
-        is settled only once the broker has settled it, which the reference broker does when
-        the outcome is durable: ``on_settled(token, None)`` then confirms it."""
+        With ``token`` the outcome is sent unsettled and the delivery is settled only once the
+        broker has settled it, which the reference broker does when the outcome is durable
+        (or, inside a transaction, taken into it): ``on_settled(token, None)`` confirms it."""
         self._check_transaction(tx)
         self._submit(_Command(partial(self._settle_now, delivery, outcome, tx, token)))
 
@@ -976,8 +976,11 @@ class AmqpTransport:
         else:
             delivery.local.failed = True
             delivery.update(Delivery.MODIFIED)
-        if confirm is not None and tx is None:
-            self._confirming[delivery] = confirm  # settled when the broker settles
+        if confirm is not None:
+            # Settled when the broker settles: once durable, or (in a transaction) once the
+            # broker has taken the outcome into the transaction, so a discharge sent after
+            # it cannot overtake it.
+            self._confirming[delivery] = confirm
             return
         delivery.settle()
         if confirm is not None:

@@ -13,6 +13,7 @@ Events are called on stomp.py's receiver thread; the driver must not block in th
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -22,12 +23,20 @@ import stomp
 import stomp.exception
 
 from hafailover.adapters.base import Opened, parse_topology
-from hafailover.destination import Destination, parse_destination
+from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue
 from hafailover.url import BrokerAddress
 
-__all__ = ["Opened", "StompEvents", "StompTransport"]
+__all__ = [
+    "STOMP_TEMPORARY_PREFIX",
+    "Opened",
+    "StompEvents",
+    "StompTransport",
+    "encode_frame",
+    "send_headers",
+    "stomp_address",
+]
 
 DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
 CONFIRM_PREFIX: Final = "hafailover-confirm:"
@@ -81,7 +90,9 @@ def message_from_frame(headers: Mapping[str, str], body: bytes) -> Message:
         priority=int(priority) if priority.isdigit() and int(priority) <= 9 else 4,
         correlation_id=headers.get("correlation-id"),
         reply_to=_destination_or_none(reply_to),
-        message_id=headers.get("message-id"),
+        # The sender's id (its duplicate id) when it gave one: it stays the same when the
+        # message is delivered again, by this broker or by another after a failover.
+        message_id=headers.get(DUPLICATE_ID) or headers.get("message-id"),
         destination=_destination_or_none(destination),
         redelivered=headers.get("redelivered", "false") == "true",
         delivery_count=int(headers.get("hafailover-delivery-count", "0") or 0),
@@ -97,6 +108,20 @@ def _destination_or_none(text: str | None) -> Destination | None:
         return None  # a broker-specific form this client does not model
 
 
+# STOMP temporary queues are named by the client and scoped by the broker to the connection
+# (``/temp-queue/NAME``); names with this prefix are the client's and are sent in that form.
+STOMP_TEMPORARY_PREFIX: Final = "hafailover-tmp-"
+
+
+def stomp_address(destination: Destination) -> str:
+    """The STOMP destination header for a destination."""
+    if destination.kind is DestinationKind.TEMPORARY_QUEUE and destination.name.startswith(
+        STOMP_TEMPORARY_PREFIX
+    ):
+        return f"/temp-queue/{destination.name}"
+    return destination.stomp
+
+
 def send_headers(
     message: Message, *, duplicate_detection: bool, now: float | None = None
 ) -> dict[str, str]:
@@ -110,11 +135,30 @@ def send_headers(
     if message.correlation_id is not None:
         headers["correlation-id"] = message.correlation_id
     if message.reply_to is not None:
-        headers["reply-to"] = message.reply_to.stomp
+        headers["reply-to"] = stomp_address(message.reply_to)
     message_id = message.ensure_message_id()
     if message.persistent and duplicate_detection:
         headers[DUPLICATE_ID] = message_id
     return headers
+
+
+_ESCAPES: Final = str.maketrans({"\\": "\\\\", "\r": "\\r", "\n": "\\n", ":": "\\c"})
+_SPECIAL: Final = re.compile(r"[\\\r\n:]")
+
+
+def _escape(text: str) -> str:
+    return text.translate(_ESCAPES) if _SPECIAL.search(text) else text
+
+
+def encode_frame(command: str, headers: Mapping[str, str], body: bytes = b"") -> bytes:
+    """One STOMP 1.2 frame, headers escaped; content-length is always given for a body,
+    else a broker ends the body at its first NUL byte."""
+    lines = [command]
+    lines.extend(f"{_escape(k)}:{_escape(v)}" for k, v in headers.items() if k != "content-length")
+    if body:
+        lines.append(f"content-length:{len(body)}")
+    lines.append("\n")
+    return "\n".join(lines).encode() + body + b"\x00"
 
 
 def _header_value(value: object) -> str:
@@ -243,15 +287,12 @@ class StompTransport:
         connection = self._connection
         if connection is None or self.broker is None:
             raise NotConnectedError("the transport is not open")
-        headers = dict(headers)
-        if body:
-            # Without content-length a broker ends the body at its first NUL byte: the
-            # message would be stored cut short (and the rest read as a command).
-            headers["content-length"] = str(len(body))
-        size = len(body) + sum(len(k) + len(v) + 2 for k, v in headers.items()) + len(command) + 4
+        frame = encode_frame(command, headers, body)
         with _map_errors(self.broker):
-            connection.send_frame(command, headers, body)  # stomp.py may rewrite headers
-        return size
+            # stomp.py's own path (listeners, Frame objects, its encoder) costs more than
+            # the rest of a send; its transport's send() keeps its socket lock.
+            connection.transport.send(frame)
+        return len(frame)
 
     def close(self) -> None:
         """Say goodbye (DISCONNECT) and close; the session ends on the broker."""
