@@ -36,9 +36,7 @@ def test_f4_reattach_replays_exactly_what_the_live_missed(pair: BrokerPair) -> N
         url = single_url("stomp", "127.0.0.1", cut.port, pair, **OPTIONS)
         heard: list[HaFailoverError] = []
         with hafailover.connect(url, exception_listener=heard.append) as connection:
-            producer = connection.create_session().create_producer(
-                "queue://f4", confirm=False
-            )
+            producer = connection.create_session().create_producer("queue://f4", confirm=False)
             body = "x" * 400
             for seq in range(3000):
                 producer.send(body, headers={"seq": seq})
