@@ -37,7 +37,7 @@ from hafailover.window import ConfirmationWindow
 __all__ = ["AmqpLink", "Link", "LinkEvents", "StompLink", "make_link"]
 
 # A STOMP receipt the driver waits for carries its token after this prefix.
-_TOKEN_PREFIX: Final = "hafailover-call:"  # noqa: S105 - a receipt prefix, not a secret
+_TOKEN_PREFIX: Final = "hafailover-call-"  # noqa: S105 - a receipt prefix, not a secret
 
 
 class LinkEvents(Protocol):

@@ -26,7 +26,7 @@ def test_message_id_is_given_once_and_kept() -> None:
     """F13: re-sending the same object re-uses its id, so a broker can drop the copy."""
     message = Message(b"x")
     first = message.ensure_message_id()
-    assert first.startswith("ID:")
+    assert first.startswith("ID-")
     assert message.ensure_message_id() == first
     assert Message(b"y").ensure_message_id() != first
 
