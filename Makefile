@@ -38,6 +38,9 @@ pytest: $(STAMPS)/venv
 
 bench: $(STAMPS)/venv
 	$(PY) benchmarks/core.py
+	$(PY) benchmarks/broker.py
+	$(PY) benchmarks/client.py
+	$(PY) benchmarks/spark.py
 
 clean:
 	rm -rf $(STAMPS) $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
