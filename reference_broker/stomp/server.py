@@ -277,7 +277,12 @@ class StompConnection(asyncio.Protocol):
             self._error("this node is no longer active: reconnect to the live node")
             return
         session.received += 1
-        size = len(frame.body) + 64
+        # The frame's bytes as sent (command, header lines, body), give or take escapes:
+        # clients size their window by the encoded frame, and a count much smaller than
+        # theirs would leave their window full with no confirmation coming.
+        size = len(command) + 2 + len(frame.body)
+        for name, value in frame.headers:
+            size += len(name) + len(value) + 2
         try:
             handler = self._HANDLERS[command]
             handler(self, frame, session)

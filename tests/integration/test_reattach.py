@@ -141,3 +141,15 @@ def test_f4_window_bounds_unconfirmed_sends(pair: BrokerPair) -> None:
         assert connection._window.buffered_bytes <= 64 * 1024 + 2000
         pair.resume(live)
         wait_until(lambda: sent[0] > stalled_at + 100, 20, "sending to resume")
+
+
+def test_window_with_small_bodies_and_large_headers_never_stalls(pair: BrokerPair) -> None:
+    """The live counts a frame's bytes as the client does (headers included): with small
+    bodies and large headers the client's window must still get confirmations in time."""
+    url = url_for(pair, "stomp", confirmation_window_size="64KiB", call_timeout="5s")
+    with hafailover.connect(url) as connection:
+        producer = connection.create_session().create_producer("queue://f4s", confirm=False)
+        for seq in range(5000):
+            producer.send(b"x", headers={"a-long-header-name": "v" * 60, "seq": seq})
+        connection.create_session().create_producer("queue://f4s").send("end", headers={"seq": -1})
+    assert len(drain(url_for(pair, "stomp"), "queue://f4s")) == 5001
