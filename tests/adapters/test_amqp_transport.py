@@ -18,9 +18,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import proton
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from proton import Terminus
+from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from hafailover.adapters.amqp import (
     AmqpTransport,
@@ -36,6 +39,7 @@ from hafailover.errors import (
     ProtocolError,
     RemoteError,
     SecurityError,
+    UnblockedError,
 )
 from hafailover.message import Message, PropertyValue
 from hafailover.url import BrokerAddress
@@ -186,8 +190,6 @@ def test_text_that_utf8_cannot_carry_is_a_configuration_error() -> None:
 
 
 def test_the_duplicate_id_goes_on_persistent_sends_only() -> None:
-    import proton
-
     def application_properties(message: Message, *, duplicate_detection: bool) -> object:
         decoded = proton.Message()
         decoded.decode(
@@ -605,6 +607,217 @@ def test_a_peer_that_never_answers_times_out() -> None:
             )
         assert time.monotonic() - started < 2
     assert not reactor_threads()
+
+
+# --- against a scripted peer: what the reference broker never does ------------------------------
+
+
+class ScriptedPeer(proton.Handler):
+    """A minimal AMQP 1.0 peer on its own reactor thread.
+
+    It announces ``product`` in its Open, records the client's terminus of every attach
+    (address, durability, expiry policy), answers each attach by echoing it, except that it
+    never answers one whose address contains "held" and refuses one whose address contains
+    "refused" by ending the session with ``refusal`` (how RabbitMQ refuses an attach to a
+    queue of another durability). Transfers are accepted.
+    """
+
+    def __init__(self, *, product: str | None = None, refusal: str | None = None) -> None:
+        super().__init__()
+        self.product = product
+        self.refusal = refusal
+        self.attaches: list[tuple[str, int, int]] = []
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port: int = probe.getsockname()[1]
+        self.container = Container(self)
+        self.injector = EventInjector()
+        self.container.selectable(self.injector)
+        self.container.listen(f"127.0.0.1:{self.port}")
+        self.thread = threading.Thread(target=self.container.run, daemon=True)
+        self.thread.start()
+
+    @property
+    def address(self) -> BrokerAddress:
+        return BrokerAddress("amqp", "127.0.0.1", self.port, None, None)
+
+    def terminus(self, address: str) -> tuple[int, int]:
+        """Durability and expiry policy of the first attach to ``address``."""
+        return next((d, e) for a, d, e in self.attaches if a == address)
+
+    def on_connection_remote_open(self, event: proton.Event) -> None:
+        connection = event.connection
+        assert connection is not None
+        if self.product is not None:
+            connection.properties = {proton.symbol("product"): self.product}
+        connection.open()
+
+    def on_session_remote_open(self, event: proton.Event) -> None:
+        assert event.session is not None
+        event.session.open()
+
+    def on_link_remote_open(self, event: proton.Event) -> None:
+        link = event.link
+        assert link is not None
+        terminus = link.remote_target if link.is_receiver else link.remote_source
+        address = terminus.address or ""
+        self.attaches.append((address, terminus.durability, terminus.expiry_policy))
+        if "refused" in address:
+            name = address.rsplit("/", 1)[-1]
+            link.session.condition = proton.Condition(
+                "amqp:precondition-failed",
+                self.refusal
+                or f"PRECONDITION_FAILED - inequivalent arg 'durable' for queue '{name}'",
+            )
+            link.session.close()
+        elif "held" not in address:
+            link.target.copy(link.remote_target)
+            link.source.copy(link.remote_source)
+            link.open()
+            if link.is_receiver:
+                link.flow(100)
+
+    def on_connection_remote_close(self, event: proton.Event) -> None:
+        assert event.connection is not None
+        event.connection.close()
+
+    def on_session_remote_close(self, event: proton.Event) -> None:
+        assert event.session is not None
+        event.session.close()
+
+    def on_link_remote_close(self, event: proton.Event) -> None:
+        assert event.link is not None
+        event.link.close()
+
+    def on_delivery(self, event: proton.Event) -> None:
+        delivery = event.delivery
+        assert delivery is not None
+        link = delivery.link
+        if link.is_receiver and not delivery.partial:
+            link.recv(delivery.pending)
+            link.advance()
+            delivery.update(proton.Delivery.ACCEPTED)
+            delivery.settle()
+
+    def on_scripted_peer_stop(self, event: proton.Event) -> None:
+        self.container.stop()
+
+    def close(self) -> None:
+        self.injector.trigger(ApplicationEvent("scripted_peer_stop"))
+        self.thread.join(5)
+        for fd in self.injector.pipe:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@pytest.fixture
+def scripted() -> Iterator[Callable[..., ScriptedPeer]]:
+    made: list[ScriptedPeer] = []
+
+    def make(**options: str) -> ScriptedPeer:
+        peer = ScriptedPeer(**options)
+        made.append(peer)
+        return peer
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+def test_queues_on_rabbitmq_are_asked_durable_by_senders_and_receivers(
+    scripted: Callable[..., ScriptedPeer],
+) -> None:
+    # RabbitMQ declares a /queue/x as durable as the terminus naming it: without this a
+    # restart deletes the queue and the confirmed messages in it. Senders and receivers ask
+    # alike, since RabbitMQ refuses an attach of another durability than the queue's.
+    peer = scripted(product="RabbitMQ")
+    events = Recorder()
+    transport = AmqpTransport(events)
+    transport.open(peer.address)
+    transport.send(1, Destination.queue("orders"), Message(b"x"), duplicate_detection=False)
+    transport.send(2, Destination.topic("prices"), Message(b"x"), duplicate_detection=False)
+    transport.subscribe("q", Destination.queue("orders"), credit=5, settle_on_delivery=False)
+    transport.subscribe("t", Destination.topic("prices"), credit=5, settle_on_delivery=True)
+    events.wait(lambda: len(events.settled) == 2)
+    durable = (Terminus.DELIVERIES, Terminus.EXPIRE_NEVER)
+    assert [a for a, _, _ in peer.attaches].count("/queue/orders") == 2
+    assert all((d, e) == durable for a, d, e in peer.attaches if a == "/queue/orders")
+    # a topic is not a queue: its termini stay as they were
+    assert all(d == Terminus.NONDURABLE for a, d, _ in peer.attaches if a == "/topic/prices")
+    transport.close()
+    assert not events.lost
+    assert not events.errors
+
+
+def test_queues_elsewhere_keep_the_default_terminus(
+    scripted: Callable[..., ScriptedPeer],
+) -> None:
+    peer = scripted()  # no product: the canonical dialect, as with the reference broker
+    events = Recorder()
+    transport = AmqpTransport(events)
+    transport.open(peer.address)
+    transport.send(1, Destination.queue("orders"), Message(b"x"), duplicate_detection=False)
+    transport.subscribe("q", Destination.queue("orders"), credit=5, settle_on_delivery=False)
+    events.wait(lambda: 1 in events.settled)
+    assert [a for a, _, _ in peer.attaches] == ["queue://orders", "queue://orders"]
+    assert all(d == Terminus.NONDURABLE for _, d, _ in peer.attaches)
+    transport.close()
+
+
+def test_a_refusal_that_ends_the_session_goes_to_the_refused_send(
+    scripted: Callable[..., ScriptedPeer],
+) -> None:
+    # RabbitMQ refuses an attach by ending the session. The send was never transferred (no
+    # credit before the attach): it is settled with the refusal, not left in doubt by the
+    # loss that follows; a request the broker had not refused is released as by a loss.
+    peer = scripted(product="RabbitMQ")
+    events = Recorder()
+    transport = AmqpTransport(events)
+    transport.open(peer.address)
+    held: list[BaseException] = []
+
+    def subscribe_held() -> None:
+        try:
+            transport.subscribe("h", Destination.queue("held"), credit=1, settle_on_delivery=True)
+        except RemoteError as exc:
+            held.append(exc)
+
+    waiting = threading.Thread(target=subscribe_held)
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while not peer.attaches:  # until the held attach is on the broker
+        assert time.monotonic() < deadline, "the subscribe never attached"
+        time.sleep(0.01)
+    transport.send(5, Destination.queue("refused-1"), Message(b"x"), duplicate_detection=False)
+    events.wait(lambda: 5 in events.settled and events.lost)
+    error = events.settled[5]
+    assert type(error) is ProtocolError
+    assert "amqp:precondition-failed" in str(error)
+    assert "inequivalent arg 'durable'" in str(error)
+    assert "not sent" in str(error)
+    waiting.join(5)
+    assert len(held) == 1
+    assert type(held[0]) is UnblockedError, held  # not refused: lost with the connection
+    assert len(events.lost) == 1
+    transport.close()
+    assert not reactor_threads()
+
+
+@pytest.mark.parametrize(
+    "refusal", [None, "a reason that names no queue"], ids=["named", "unnamed"]
+)
+def test_a_refusal_that_ends_the_session_fails_the_refused_subscribe(
+    scripted: Callable[..., ScriptedPeer], refusal: str | None
+) -> None:
+    peer = scripted(product="RabbitMQ", refusal=refusal)
+    events = Recorder()
+    transport = AmqpTransport(events)
+    transport.open(peer.address)
+    with pytest.raises(ProtocolError, match="amqp:precondition-failed") as raised:
+        transport.subscribe("s", Destination.queue("refused-2"), credit=1, settle_on_delivery=False)
+    assert type(raised.value) is ProtocolError
+    events.wait(lambda: events.lost)
+    transport.close()
 
 
 # --- amqps, through a TLS-terminating proxy in front of the broker ------------------------------

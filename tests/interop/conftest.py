@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from proton.utils import BlockingConnection
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "rabbitmq.sh"
@@ -149,7 +150,15 @@ class RabbitMQControl:
     def __init__(self, broker: RabbitMQ) -> None:
         self.broker = broker
 
-    def _ctl(self, *args: str) -> None:
+    def queue_durable(self, name: str) -> bool | None:
+        """Whether RabbitMQ holds queue ``name`` as durable (None: it has no such queue)."""
+        for line in self._ctl("list_queues", "--quiet", "--no-table-headers", "name", "durable"):
+            queue, _, durable = line.rpartition("\t")
+            if queue == name:
+                return durable.strip() == "true"
+        return None
+
+    def _ctl(self, *args: str) -> list[str]:
         done = subprocess.run(
             ["bash", str(SCRIPT), "ctl", *args],
             cwd=ROOT,
@@ -161,6 +170,7 @@ class RabbitMQControl:
         )
         if done.returncode != 0:
             raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
+        return done.stdout.splitlines()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -194,6 +204,23 @@ class RabbitMQControl:
         finally:
             os.kill(pid, signal.SIGCONT)
         self.wait_ready()
+
+
+def declare_nondurable_queue(broker: RabbitMQ, name: str) -> None:
+    """Have RabbitMQ declare ``/queue/NAME`` non-durable, as a raw AMQP 1.0 sender whose
+    target keeps the default durability (none) does; such a queue lives until a restart."""
+    connection = BlockingConnection(
+        broker.amqp_url,
+        timeout=20,
+        user=broker.user,
+        password=broker.password,
+        allowed_mechs="PLAIN",
+        allow_insecure_mechs=True,  # PLAIN without TLS: loopback only
+    )
+    try:
+        connection.create_sender(f"/queue/{name}")
+    finally:
+        connection.close()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from hafailover.errors import ProtocolError, SecurityError
 from hafailover.message import Message
 from hafailover.url import BrokerAddress
 from tests.adapters.test_amqp_transport import Recorder, reactor_threads
-from tests.interop.conftest import RabbitMQ
+from tests.interop.conftest import RabbitMQ, RabbitMQControl, declare_nondurable_queue
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -105,5 +105,49 @@ def test_rabbitmq_has_no_transactions_and_says_so(rabbitmq: RabbitMQ) -> None:
         transport.declare(timeout=10)
     events.wait(lambda: events.lost)
     assert "not-implemented" in events.lost[0]
+    transport.close()
+    assert not reactor_threads()
+
+
+@pytest.mark.interop
+def test_rabbitmq_declares_the_adapters_queues_durable(
+    rabbitmq: RabbitMQ, rabbitmq_control: RabbitMQControl
+) -> None:
+    # The adapter's sender declares the queue durable, and its receiver (durable too, or
+    # RabbitMQ would refuse it) attaches to that queue.
+    name = f"hafailover-amqp-durable-{time.monotonic_ns()}"
+    events = Recorder()
+    transport = AmqpTransport(events)
+    transport.open(broker(rabbitmq))
+    transport.send(1, Destination.queue(name), Message(b"kept"), duplicate_detection=False)
+    events.wait(lambda: 1 in events.settled)
+    assert events.settled[1] is None
+    assert rabbitmq_control.queue_durable(name) is True
+    transport.subscribe("s", Destination.queue(name), credit=1, settle_on_delivery=True)
+    events.wait(lambda: events.messages)
+    assert events.bodies() == [b"kept"]
+    transport.close()
+    assert not events.lost
+    assert not events.errors
+
+
+@pytest.mark.interop
+def test_rabbitmq_refusing_the_sender_settles_the_send_with_the_refusal(
+    rabbitmq: RabbitMQ,
+) -> None:
+    # A queue of another durability: RabbitMQ ends the session. The send, never transferred,
+    # is settled with the refusal; the connection is reported lost, once.
+    name = f"hafailover-amqp-nondurable-{time.monotonic_ns()}"
+    declare_nondurable_queue(rabbitmq, name)
+    events = Recorder()
+    transport = AmqpTransport(events)
+    transport.open(broker(rabbitmq))
+    transport.send(1, Destination.queue(name), Message(b"never"), duplicate_detection=False)
+    events.wait(lambda: 1 in events.settled and events.lost)
+    error = events.settled[1]
+    assert type(error) is ProtocolError
+    assert "amqp:precondition-failed" in str(error)
+    assert f"for queue '{name}'" in str(error)
+    assert len(events.lost) == 1
     transport.close()
     assert not reactor_threads()

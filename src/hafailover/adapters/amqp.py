@@ -11,10 +11,12 @@ settlement it was not asked to wait for, and never hands a proton object to its 
 
 Addresses are written ``queue://x`` and ``topic://x`` (DESIGN section 3), except on RabbitMQ
 (known by the product its Open names), whose AMQP 1.0 plugin wants ``/queue/x`` and
-``/topic/x``; a temporary queue keeps the address the broker gave it. Every link lives on
-the one session: a broker that ends it (RabbitMQ 3.10 does on a transaction or a dynamic
-node, which it does not implement) has ended the connection's use, and that is reported as
-a loss, while the call that asked gets the broker's refusal (ProtocolError).
+``/topic/x`` and declares a queue as durable as the terminus that names it, so links to
+queues there ask for a durable terminus; a temporary queue keeps the address the broker gave
+it. Every link lives on the one session: a broker that ends it (RabbitMQ 3.10 does to refuse
+an attach: a transaction, a dynamic node, a queue of another durability) has ended the
+connection's use, and that is reported as a loss, while the request it refused gets the
+broker's refusal (ProtocolError): a call that waits raises it, a send is settled with it.
 
 Threading model
 ---------------
@@ -637,12 +639,13 @@ class AmqpTransport:
         Returns the size of the encoded message in bytes (for the confirmation window)."""
         self._check_transaction(tx)
         address = self._address(destination)
+        durable = self._durable_node(destination)
         reply_to = None if message.reply_to is None else self._address(message.reply_to)
         with _map_errors(self._broker_text()):
             payload = encode_message(
                 message, address, reply_to=reply_to, duplicate_detection=duplicate_detection
             )
-        self._submit(_Command(partial(self._send_now, token, address, payload, tx)))
+        self._submit(_Command(partial(self._send_now, token, address, durable, payload, tx)))
         return len(payload)
 
     # --- receiving ----------------------------------------------------------------------------
@@ -666,12 +669,14 @@ class AmqpTransport:
         if isinstance(credit, bool) or not isinstance(credit, int) or credit < 1:
             raise ConfigurationError(f"credit must be a whole number of at least 1, not {credit!r}")
         address = self._address(destination)
+        durable = self._durable_node(destination)
         self._ask(
             f"subscribe {subscription_id!r} to {destination}",
             partial(
                 self._subscribe_now,
                 subscription_id,
                 address,
+                durable,
                 destination,
                 credit,
                 settle_on_delivery,
@@ -694,7 +699,9 @@ class AmqpTransport:
 
         With ``token`` the outcome is sent unsettled and the delivery is settled only once the
         broker has settled it, which the reference broker does when the outcome is durable
-        (or, inside a transaction, taken into it): ``on_settled(token, None)`` confirms it."""
+        (or, inside a transaction, taken into it): ``on_settled(token, None)`` confirms it.
+        RabbitMQ cannot settle an outcome sent unsettled: there it is sent settled and
+        confirmed once written."""
         self._check_transaction(tx)
         self._submit(_Command(partial(self._settle_now, delivery, outcome, tx, token)))
 
@@ -809,6 +816,25 @@ class AmqpTransport:
             return destination.stomp
         return destination.amqp
 
+    def _durable_node(self, destination: Destination) -> bool:
+        """Whether links to ``destination`` ask for a durable terminus.
+
+        RabbitMQ's AMQP 1.0 plugin declares a ``/queue/x`` with the durability of the terminus
+        that names it (the target of a sender, the source of a receiver): at "none" the queue
+        is not durable and a restart deletes it with its persistent messages, confirmed or
+        not. So queues there are asked for durable, by senders and receivers alike: RabbitMQ
+        refuses an attach whose durability differs from the queue's ("inequivalent arg
+        'durable'"). Elsewhere a queue's durability is the broker's business and the terminus
+        stays as it was."""
+        with self._lock:
+            dialect = self._dialect
+            temporary = destination in self._temporary
+        return (
+            dialect is _Dialect.RABBITMQ
+            and destination.kind is DestinationKind.QUEUE
+            and not temporary
+        )
+
     def _broker_text(self) -> str:
         return self.broker.redacted() if self.broker is not None else "broker"
 
@@ -883,9 +909,9 @@ class AmqpTransport:
     # Commands (reactor thread).
 
     def _send_now(
-        self, token: int, address: str, payload: bytes, tx: AmqpTransaction | None
+        self, token: int, address: str, durable: bool, payload: bytes, tx: AmqpTransaction | None
     ) -> None:
-        sender = self._sender_for(address)
+        sender = self._sender_for(address, durable)
         delivery = sender.delivery(str(next(self._names)))
         if tx is not None:
             # Before the bytes: the transactional state must travel in the transfer itself.
@@ -894,11 +920,13 @@ class AmqpTransport:
         sender.advance()
         self._outgoing[delivery] = token
 
-    def _sender_for(self, address: str) -> Sender:
+    def _sender_for(self, address: str, durable: bool) -> Sender:
         sender = self._senders.get(address)
         if sender is None:
             sender = self._require_session().sender(f"hafailover-sender-{next(self._names)}")
             sender.target.address = address
+            if durable:
+                _make_durable(sender.target)
             sender.snd_settle_mode = Link.SND_UNSETTLED
             sender.rcv_settle_mode = Link.RCV_FIRST
             sender.open()
@@ -910,6 +938,7 @@ class AmqpTransport:
         self,
         subscription_id: str,
         address: str,
+        durable_node: bool,
         destination: Destination,
         credit: int,
         settle_on_delivery: bool,
@@ -922,9 +951,8 @@ class AmqpTransport:
         name = durable_name or f"hafailover-receiver-{next(self._names)}"
         link = self._require_session().receiver(name)
         link.source.address = address
-        if durable_name is not None:
-            link.source.durability = Terminus.DELIVERIES
-            link.source.expiry_policy = Terminus.EXPIRE_NEVER
+        if durable_name is not None or durable_node:
+            _make_durable(link.source)
         if browse:
             link.source.distribution_mode = Terminus.DIST_MODE_COPY
         if settle_on_delivery or browse:
@@ -976,12 +1004,17 @@ class AmqpTransport:
         else:
             delivery.local.failed = True
             delivery.update(Delivery.MODIFIED)
-        if confirm is not None:
+        with self._lock:
+            dialect = self._dialect
+        if confirm is not None and dialect is not _Dialect.RABBITMQ:
             # Settled when the broker settles: once durable, or (in a transaction) once the
             # broker has taken the outcome into the transaction, so a discharge sent after
             # it cannot overtake it.
             self._confirming[delivery] = confirm
             return
+        # RabbitMQ 3.10 cannot settle an outcome sent unsettled: a disposition that does not
+        # say settled=true (proton leaves out the default, false) ends its session with an
+        # internal error. So there the outcome goes settled, and is confirmed once written.
         delivery.settle()
         if confirm is not None:
             self._emit(self.events.on_settled, confirm, None)
@@ -1069,11 +1102,14 @@ class AmqpTransport:
         condition: Condition | None,
         *,
         refused: RemoteError | None = None,
+        blame_pending: bool = True,
     ) -> None:
         """The connection is gone (or never came): tell who needs to know, once, and stop.
 
         ``condition``: the broker's or proton's reason, if any; ``refused``: what ``open``
-        raises instead of the error the condition names."""
+        raises instead of the error the condition names; ``blame_pending``: whether the
+        blocked calls get the condition as a refusal (else the calls it refused have had
+        it already, and the others are released as by a loss)."""
         if self._dead:
             self._shutdown()
             return
@@ -1089,7 +1125,7 @@ class AmqpTransport:
         elif not closing and not self._lost_reported:
             self._lost_reported = True
             self._emit(self.events.on_lost, f"{self._broker_text()}: {reason}")
-        self._release(closing, reason, condition)
+        self._release(closing, reason, condition if blame_pending else None)
         self._shutdown()
 
     @staticmethod
@@ -1191,7 +1227,62 @@ class AmqpTransport:
             return
         # Every link lived on this session: without it the connection is of no use.
         condition = session.remote_condition
-        self._die(f"the broker ended the session: {_condition_text(condition)}", condition)
+        blamed = _refuses_request(condition) and self._refuse_attaching(condition)
+        self._die(
+            f"the broker ended the session: {_condition_text(condition)}",
+            condition,
+            blame_pending=not blamed,
+        )
+
+    def _refuse_attaching(self, condition: Condition | None) -> bool:
+        """Give a refusal that ended the session to the requests it refused; return whether
+        any was found.
+
+        RabbitMQ refuses an attach (a queue whose durability differs, a transaction
+        coordinator) by ending the session with the reason. The links the broker had not
+        attached yet are the candidates, and of those the ones whose node the reason names in
+        quotes (RabbitMQ writes "... for queue 'x' ..."), else all of them: none of their
+        requests reached a node. Their sends were never transferred (a sender gets no credit
+        before it is attached) and their subscriptions never made: each gets the refusal as
+        its outcome, not the loss of the connection that follows, which would make a send in
+        doubt and a retry meet the same refusal after every failover."""
+        attaching: list[tuple[Link, str | None]] = list(self._sender_addresses.items())
+        attaching.extend((link, link.source.address) for link in self._link_subscription)
+        attaching.extend((link, None) for link in self._temporary_queues)
+        if self._coordinator is not None:
+            attaching.append((self._coordinator, None))
+        attaching = [(link, a) for link, a in attaching if link.state & Endpoint.REMOTE_UNINIT]
+        description = "" if condition is None else str(condition.description or "")
+        named = [
+            link for link, a in attaching if a is not None and f"'{_node_name(a)}'" in description
+        ]
+        refused = set(named) if named else {link for link, _ in attaching}
+        if not refused:
+            return False
+        what = self._broker_text()
+        for delivery, token in list(self._outgoing.items()):
+            if delivery.link in refused:
+                del self._outgoing[delivery]
+                address = self._sender_addresses.get(delivery.link, "")
+                error = _condition_error(condition, f"{what}: send to {address} (not sent)")
+                self._emit(self.events.on_settled, token, error)
+        waiters: list[_Waiter[Any]] = []
+        for link in refused:
+            subscription = self._link_subscription.get(link)
+            if subscription is not None and subscription.attaching is not None:
+                waiters.append(subscription.attaching)
+                subscription.attaching = None
+            queue = self._temporary_queues.get(link)
+            if queue is not None and queue.attaching is not None:
+                waiters.append(queue.attaching)
+                queue.attaching = None
+        waiters.extend(
+            waiter for delivery, (_, waiter) in self._control.items() if delivery.link in refused
+        )
+        for waiter in waiters:
+            self._pending.discard(waiter)
+            waiter.fail(_condition_error(condition, waiter.what))
+        return True
 
     def _transport_failed(self, condition: Condition | None) -> None:
         self._die(_condition_text(condition), condition)
@@ -1404,6 +1495,21 @@ class AmqpTransport:
         code = int(state) if state else 0
         reason = _condition_text(remote.condition) if code == _REJECTED else f"state {code:#x}"
         waiter.fail(ProtocolError(f"{waiter.what}: the broker refused the {what}: {reason}"))
+
+
+def _make_durable(terminus: Terminus) -> None:
+    """A terminus that outlives its link: a durable subscription, or a durable queue on
+    RabbitMQ (which also wants the expiry policy "never" for one)."""
+    terminus.durability = Terminus.DELIVERIES
+    terminus.expiry_policy = Terminus.EXPIRE_NEVER
+
+
+def _node_name(address: str) -> str:
+    """The name of the node an address names, without its kind (``/queue/x``: ``x``)."""
+    for prefix in ("/queue/", "/topic/", "queue://", "topic://"):
+        if address.startswith(prefix):
+            return address[len(prefix) :]
+    return address
 
 
 def _close_pipe(injector: EventInjector) -> None:
