@@ -1442,20 +1442,30 @@ class Session:
     def _ensure_tx(self) -> object:
         """The broker transaction for the current work, begun on first use."""
         connection = self.connection
-        with connection._cond:
-            link = connection._admit(connection._failover_deadline())
-            if self._tx is not None and self._tx_link == link.serial:
+        deadline = connection._failover_deadline()
+        while True:
+            with connection._cond:
+                link = connection._admit(deadline)
+                if self._tx is not None and self._tx_link == link.serial:
+                    return self._tx
+                if not isinstance(link, AmqpLink):
+                    try:
+                        self._tx = link.begin()
+                    except (NotConnectedError, UnblockedError) as exc:
+                        connection._io_failed(link, exc)
+                        continue  # F1: wait for the failover; its rules decide the work's fate
+                    self._tx_link = link.serial
+                    return self._tx
+            try:
+                handle = link.begin()  # AMQP declare waits for the broker: outside the lock
+            except (NotConnectedError, UnblockedError) as exc:
+                connection._io_failed(link, exc)
+                continue
+            with connection._cond:
+                if self._tx is None or self._tx_link != link.serial:
+                    self._tx = handle
+                    self._tx_link = link.serial
                 return self._tx
-            if not isinstance(link, AmqpLink):
-                self._tx = link.begin()
-                self._tx_link = link.serial
-                return self._tx
-        handle = link.begin()  # AMQP declare waits for the broker: outside the lock
-        with connection._cond:
-            if self._tx is None or self._tx_link != link.serial:
-                self._tx = handle
-                self._tx_link = link.serial
-            return self._tx
 
     # --- failover ---------------------------------------------------------------------------
 
@@ -1688,23 +1698,25 @@ class Producer:
                 elif transacted and isinstance(link, AmqpLink):
                     # AMQP: the broker settles each transactional transfer; the discharge
                     # must wait for them, or it can overtake transfers still waiting for
-                    # a new sender link's credit (and commit without them).
+                    # a new sender link's credit (and commit without them). The send itself
+                    # completes at once, as every transacted send does: commit() waits.
+                    transfer = SendCompletion(connection, msg)
                     token = connection._register(
-                        _Pending(_KIND_CALL, completion, session, -1, destination=target)
+                        _Pending(_KIND_CALL, transfer, session, -1, destination=target)
                     )
-                    session._tx_sends.append(completion)
+                    session._tx_sends.append(transfer)
                 cumulative = token is not None and link.windowed
                 ask = not cumulative or receipt or connection._unreceipted >= RECEIPT_EVERY - 1
                 try:
                     command_id = link.send(target, msg, tx=tx, token=token if ask else None)
                 except HaFailoverError as exc:
-                    if token is not None:
-                        # The pending send stays: the failover resends it or releases it.
-                        connection._io_failed(link, exc)
-                        return completion
                     connection._io_failed(link, exc)
                     if transacted:
+                        # The transaction is doomed by the failover (F9): commit() says so.
                         completion._finish(None)
+                        return completion
+                    if token is not None:
+                        # The pending send stays: the failover resends it or releases it.
                         return completion
                     continue  # unconfirmed: send again on the next link (stop the world)
                 connection._sent += 1
@@ -1716,7 +1728,7 @@ class Producer:
                             pending.cumulative = True
                             connection._receipt_order.append(token)
                             connection._unreceipted = 0 if ask else connection._unreceipted + 1
-                else:
+                if not confirm:
                     completion._finish(None)
                 return completion
 

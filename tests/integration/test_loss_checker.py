@@ -1,0 +1,217 @@
+"""A loss and duplicate checker in the style of Jepsen's total-queue (DESIGN.md section 7).
+
+A transacted producer and a CLIENT-acknowledge consumer run against the bundled pair while
+the live is SIGKILLed ten times; each time the killed node is restarted and, with failback,
+takes the role back: two failovers per cycle for both clients. Every send attempted, every
+commit confirmed and every message received is recorded; at the end
+
+- lost = committed and never received (acknowledged by the consumer, or drained after it);
+- unexpected = received and never attempted;
+- duplicates = seqs received (acknowledged or drained) more than once,
+
+and all three must be zero: the producer retries a rolled-back or in-doubt transaction with
+the same Message objects (the same duplicate ids), which the broker's duplicate detection
+makes harmless, and the consumer only counts what it acknowledged.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+
+import pytest
+
+import hafailover
+from hafailover import (
+    AckMode,
+    AcknowledgeFailedError,
+    Message,
+    StaleAcknowledgeError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
+    UnblockedError,
+)
+from reference_broker import BrokerPair
+
+from .support import drain, seqs, url_for, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+QUEUE = "queue://loss-checker"
+CYCLES = 10
+TX_BATCH = 20
+ACK_BATCH = 10
+# Traffic between a restart (or the start) and the next kill.
+TRAFFIC_TIME = 1.0
+
+
+class Producer(threading.Thread):
+    """Transacted batches of TX_BATCH messages; a failed commit is retried with the same
+    Message objects until it succeeds."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(name="loss-producer", daemon=True)
+        self.url = url
+        self.stop = threading.Event()
+        self.attempted: set[int] = set()
+        self.committed: list[int] = []
+        self.retries = 0
+        self.failovers = 0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            with hafailover.connect(self.url) as connection:
+                session = connection.create_session(AckMode.SESSION_TRANSACTED)
+                producer = session.create_producer(QUEUE)
+                seq = 0
+                while not self.stop.is_set():
+                    batch = [
+                        Message(body=f"m{s}", properties={"seq": s})
+                        for s in range(seq, seq + TX_BATCH)
+                    ]
+                    seq += TX_BATCH
+                    # Never stop in the middle of a batch: it commits before the thread ends.
+                    while True:
+                        self.attempted.update(int(str(m.properties["seq"])) for m in batch)
+                        try:
+                            for message in batch:
+                                producer.send(message)
+                            session.commit()
+                        except (TransactionRolledBackError, TransactionOutcomeUnknownError):
+                            self.retries += 1
+                            continue
+                        break
+                    self.committed.extend(int(str(m.properties["seq"])) for m in batch)
+                self.failovers = connection.statistics().failovers
+        except BaseException:  # noqa: BLE001 - reported by the test
+            self.error = traceback.format_exc()
+
+
+class Consumer(threading.Thread):
+    """CLIENT acknowledge every ACK_BATCH messages; a stale acknowledge (the session failed
+    over holding them) means the batch comes again, so it is not counted; an acknowledge
+    caught by a failover (F3) leaves the batch in doubt: it may or may not come again."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(name="loss-consumer", daemon=True)
+        self.url = url
+        self.stop = threading.Event()
+        self.handed: list[int] = []
+        self.acknowledged: list[int] = []
+        # Acknowledged when the connection died (F3: released with UNBLOCKED): the broker may
+        # or may not have taken the acknowledge, so these are neither lost nor duplicates.
+        self.in_doubt: list[int] = []
+        self.stale = 0
+        self.failovers = 0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            with hafailover.connect(self.url) as connection:
+                session = connection.create_session(AckMode.CLIENT)
+                consumer = session.create_consumer(QUEUE)
+                connection.start()
+                pending: list[int] = []
+                while not self.stop.is_set():
+                    message = consumer.receive(0.2)
+                    if message is not None:
+                        seq = int(str(message.properties["seq"]))
+                        self.handed.append(seq)
+                        pending.append(seq)
+                    if len(pending) >= ACK_BATCH or (message is None and pending):
+                        self._acknowledge(session, pending)
+                        pending = []
+                if pending:
+                    self._acknowledge(session, pending)
+                self.failovers = connection.statistics().failovers
+        except BaseException:  # noqa: BLE001 - reported by the test
+            self.error = traceback.format_exc()
+
+    def _acknowledge(self, session: hafailover.Session, pending: list[int]) -> None:
+        try:
+            session.acknowledge()
+        except StaleAcknowledgeError:
+            self.stale += 1
+            return
+        except (UnblockedError, AcknowledgeFailedError):
+            self.in_doubt.extend(pending)
+            return
+        self.acknowledged.extend(pending)
+
+
+def _duplicates(received: list[int]) -> dict[int, int]:
+    return {seq: n for seq, n in collections.Counter(received).items() if n > 1}
+
+
+def test_nothing_lost_or_duplicated_under_repeated_sigkill(pair: BrokerPair, protocol: str) -> None:
+    """Ten SIGKILLs of the live, each followed by a restart and a failback: lost = 0,
+    unexpected = 0, duplicates = 0 (duplicate detection is on by default)."""
+    url = url_for(pair, protocol)
+    producer = Producer(url)
+    consumer = Consumer(url)
+    started = time.monotonic()
+    producer.start()
+    consumer.start()
+    try:
+        wait_until(lambda: len(consumer.acknowledged) >= ACK_BATCH, 30, "the first traffic")
+        for cycle in range(CYCLES):
+            time.sleep(TRAFFIC_TIME)
+            assert producer.error is None, producer.error
+            assert consumer.error is None, consumer.error
+            victim = pair.live
+            pair.kill(victim)
+            survivor = pair.wait_active(20)
+            assert survivor is not victim
+            time.sleep(TRAFFIC_TIME / 2)
+            pair.restart(victim)
+            # Failback: the restarted preferred live takes the role back once synchronized.
+            if victim is pair.nodes[0]:
+                wait_until(lambda v=victim: v.role == "live", 30, f"failback in cycle {cycle}")
+            pair.wait_synchronized(30)
+        # Both clients make progress after the last failover.
+        committed, acknowledged = len(producer.committed), len(consumer.acknowledged)
+        wait_until(
+            lambda: (
+                len(producer.committed) > committed and len(consumer.acknowledged) > acknowledged
+            ),
+            30,
+            "progress after the last cycle",
+        )
+    finally:
+        producer.stop.set()
+        producer.join(60)
+        consumer.stop.set()
+        consumer.join(60)
+    assert not producer.is_alive(), "the producer did not stop"
+    assert not consumer.is_alive(), "the consumer did not stop"
+    assert producer.error is None, producer.error
+    assert consumer.error is None, consumer.error
+
+    drained = seqs(drain(url, QUEUE))
+    received = consumer.acknowledged + drained
+    committed_set = set(producer.committed)
+    # Jepsen's "recovered": an in-doubt acknowledge may have been taken by the broker, so its
+    # messages count as received for losses; duplicates only count certain receipts.
+    lost = sorted(committed_set - set(received) - set(consumer.in_doubt))
+    unexpected = sorted(set(received + consumer.handed) - producer.attempted)
+    duplicates = _duplicates(received)
+    elapsed = time.monotonic() - started
+    print(
+        f"\nloss checker [{protocol}] {CYCLES} cycles in {elapsed:.1f}s: "
+        f"attempted={len(producer.attempted)} committed={len(producer.committed)} "
+        f"(tx retries={producer.retries}) handed={len(consumer.handed)} "
+        f"acknowledged={len(consumer.acknowledged)} (stale acks={consumer.stale}, "
+        f"in doubt={len(consumer.in_doubt)}) "
+        f"drained={len(drained)} lost={len(lost)} unexpected={len(unexpected)} "
+        f"duplicates={len(duplicates)} failovers producer={producer.failovers} "
+        f"consumer={consumer.failovers}"
+    )
+    # Every kill of the live, and every failback, moved both clients.
+    assert producer.failovers >= CYCLES and consumer.failovers >= CYCLES
+    assert len(producer.committed) == len(committed_set), "a seq committed twice"
+    assert lost == [], f"lost: {lost[:50]}"
+    assert unexpected == [], f"unexpected: {unexpected[:50]}"
+    assert duplicates == {}, f"duplicates (seq: times): {dict(list(duplicates.items())[:50])}"
