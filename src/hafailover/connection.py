@@ -253,6 +253,7 @@ class _Pending:
     resendable: bool = False
     consumer: Consumer | None = None  # a subscription waiting for the broker
     cumulative: bool = False  # confirmed by its own or any later receipt (in _receipt_order)
+    size: int = 0  # bytes counted against the window of a link without one (flow control)
 
 
 # --- the connection ------------------------------------------------------------------------
@@ -311,6 +312,9 @@ class Connection:
         # many were written since the last frame that asked for a receipt.
         self._receipt_order: collections.deque[int] = collections.deque()
         self._unreceipted = 0
+        # Links without the window extension (AMQP, plain STOMP brokers): bytes of confirmed
+        # sends still waiting for the broker, held to the window size all the same.
+        self._unconfirmed_bytes = 0
         self._tokens = itertools.count(1)
         self._sessions: dict[int, Session] = {}
         self._browsing: dict[str, Browser] = {}  # browse subscription -> its browser
@@ -932,6 +936,7 @@ class Connection:
             return []
         if pending.producer is not None:
             pending.producer._outstanding -= 1
+        self._unconfirmed_bytes -= pending.size
         self._cond.notify_all()
         completion = pending.completion
         return [(c, completion) for c in completion._finish(None)]
@@ -949,6 +954,7 @@ class Connection:
                     self._confirmed += 1
                 if pending.producer is not None:
                     pending.producer._outstanding -= 1
+                self._unconfirmed_bytes -= pending.size
                 completion = pending.completion
                 callbacks.extend((c, completion) for c in completion._finish(None))
             if done == token:
@@ -982,6 +988,7 @@ class Connection:
             return []
         if pending.producer is not None:
             pending.producer._outstanding -= 1
+        self._unconfirmed_bytes -= pending.size
         self._cond.notify_all()
         completion = pending.completion
         return [(c, completion) for c in completion._finish(error)]
@@ -1016,7 +1023,14 @@ class Connection:
         """Under the lock: admission plus window flow control (F4)."""
         while True:
             link = self._admit(deadline)
-            if not link.windowed or self._window.has_room(size):
+            if link.windowed:
+                if self._window.has_room(size):
+                    return link
+            elif (
+                self._window.size == -1
+                or self._unconfirmed_bytes == 0
+                or self._unconfirmed_bytes + size <= self._window.size
+            ):
                 return link
             if not self._cond.wait(self.policy.call_timeout):
                 raise CallTimeoutError(
@@ -1692,9 +1706,12 @@ class Producer:
                             destination=target,
                             producer=self,
                             resendable=connection.policy.duplicate_detection,
+                            size=0 if link.windowed else size,
                         )
                     )
                     self._outstanding += 1
+                    if not link.windowed:
+                        connection._unconfirmed_bytes += size
                 elif transacted and isinstance(link, AmqpLink):
                     # AMQP: the broker settles each transactional transfer; the discharge
                     # must wait for them, or it can overtake transfers still waiting for
@@ -1772,6 +1789,8 @@ def _as_message(
             message.time_to_live = time_to_live
         attrs.validate(message)
         return message
+    if headers is None and priority is None and time_to_live is None:
+        return Message.of_body(message, persistent=True if persistent is None else persistent)
     if not isinstance(message, bytes | str):
         raise ConfigurationError(
             f"a message body must be bytes or str (or a Message), not {type(message).__name__}"

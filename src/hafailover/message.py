@@ -110,6 +110,23 @@ class Message:
     delivery: Any = attrs.field(default=None, repr=False)
     _acknowledger: Any = attrs.field(default=None, repr=False, alias="acknowledger")
 
+    @classmethod
+    def of_body(cls, body: bytes | str, *, persistent: bool = True) -> Message:
+        """A message with only a body (every other field at its default), made without
+        running the validators: the type check below is all they would do. The send path
+        makes one per send of a bare body."""
+        if not isinstance(body, bytes | str):
+            raise ConfigurationError(
+                f"a message body must be bytes or str (or a Message), not {type(body).__name__}"
+            )
+        message = object.__new__(cls)
+        for name, value in _DEFAULTS:
+            object.__setattr__(message, name, value)
+        object.__setattr__(message, "body", body)
+        object.__setattr__(message, "properties", {})
+        object.__setattr__(message, "persistent", persistent)
+        return message
+
     @property
     def body_bytes(self) -> bytes:
         return self.body.encode("utf-8") if isinstance(self.body, str) else self.body
@@ -140,3 +157,11 @@ class Message:
                 "this message was built here, not received: there is nothing to acknowledge"
             )
         self._acknowledger(self)
+
+
+# Every field's default, for Message.of_body (the mutable one, properties, is made there).
+_DEFAULTS: Final = tuple(
+    (field.name, field.default)
+    for field in attrs.fields(Message)
+    if field.name not in ("body", "properties", "persistent")
+)

@@ -66,3 +66,16 @@ def test_bad_messages_are_refused_naming_the_problem(
 def test_acknowledging_a_message_that_was_not_received_is_misuse() -> None:
     with pytest.raises(IllegalStateError, match="not received"):
         Message(b"x").acknowledge()
+
+
+def test_of_body_equals_the_validated_constructor() -> None:
+    """The send path's shortcut makes the same message the constructor makes."""
+    import attrs
+
+    for body, persistent in ((b"x", True), ("text", False), (b"", True)):
+        fast = Message.of_body(body, persistent=persistent)
+        assert attrs.asdict(fast) == attrs.asdict(Message(body=body, persistent=persistent))
+        fast.properties["k"] = "v"  # its own dict
+        assert Message.of_body(body).properties == {}
+    with pytest.raises(ConfigurationError):
+        Message.of_body(12)  # type: ignore[arg-type]

@@ -153,3 +153,33 @@ def test_window_with_small_bodies_and_large_headers_never_stalls(pair: BrokerPai
             producer.send(b"x", headers={"a-long-header-name": "v" * 60, "seq": seq})
         connection.create_session().create_producer("queue://f4s").send("end", headers={"seq": -1})
     assert len(drain(url_for(pair, "stomp"), "queue://f4s")) == 5001
+
+
+def test_amqp_unconfirmed_sends_are_held_to_the_window(pair: BrokerPair) -> None:
+    """AMQP has no reattach window, but pipelined confirmed sends are still held to
+    confirmation_window_size bytes while the broker does not answer (bounded memory)."""
+    url = url_for(pair, "amqp", confirmation_window_size="64KiB", heartbeat="0")
+    with hafailover.connect(url) as connection:
+        producer = connection.create_session().create_producer("queue://f4amqp")
+        producer.send("warm-up")
+        live = pair.live
+        sent = [0]
+
+        def send_forever() -> None:
+            try:
+                while sent[0] < 100_000:
+                    producer.send_async("y" * 1000)
+                    sent[0] += 1
+            except HaFailoverError:
+                return
+
+        pair.pause(live)
+        thread = threading.Thread(target=send_forever, daemon=True)
+        thread.start()
+        time.sleep(1.5)
+        stalled_at = sent[0]
+        time.sleep(0.5)
+        assert sent[0] == stalled_at, "sends must wait for confirmations"
+        assert stalled_at <= 64 * 1024 // 1000 + 1
+        pair.resume(live)
+        wait_until(lambda: sent[0] > stalled_at + 100, 20, "sending to resume")
