@@ -123,7 +123,7 @@ DEFAULT_PREFETCH: Final = 100
 # With a broker whose receipts come in frame order (the reattach extension promises it), one
 # receipt confirms every send before it: ask for one every this many confirmed sends, and
 # whenever somebody waits.
-RECEIPT_EVERY: Final = 32
+RECEIPT_EVERY: Final = 64
 
 _ERRORS_BY_CODE: Final[Mapping[ErrorCode, type[HaFailoverError]]] = {
     ErrorCode.DISCONNECT: DisconnectedError,
