@@ -130,7 +130,8 @@ def send_headers(
     """The SEND headers for a message (its id is given here if it has none yet)."""
     headers: dict[str, str] = {str(k): _header_value(v) for k, v in message.properties.items()}
     headers["persistent"] = "true" if message.persistent else "false"
-    headers["priority"] = str(message.priority)
+    if message.priority != 4:  # 4 is every STOMP broker's default (as in JMS)
+        headers["priority"] = str(message.priority)
     if message.time_to_live is not None:
         expires = (time.time() if now is None else now) + message.time_to_live
         headers["expires"] = str(int(expires * 1000))
