@@ -931,15 +931,25 @@ class Connection:
         return token
 
     def _complete_locked(self, token: int, error: None) -> list[_Callback]:
+        return self._finish_locked(token, None)
+
+    def _fail_locked(self, token: int, error: HaFailoverError) -> list[_Callback]:
+        return self._finish_locked(token, error)
+
+    def _finish_locked(self, token: int, error: HaFailoverError | None) -> list[_Callback]:
+        """Under the lock: end one waiting call; returns its callbacks to run outside it."""
         pending = self._pending.pop(token, None)
         if pending is None:
             return []
+        self._cond.notify_all()
+        return self._settle(pending, error)
+
+    def _settle(self, pending: _Pending, error: HaFailoverError | None) -> list[_Callback]:
         if pending.producer is not None:
             pending.producer._outstanding -= 1
         self._unconfirmed_bytes -= pending.size
-        self._cond.notify_all()
         completion = pending.completion
-        return [(c, completion) for c in completion._finish(None)]
+        return [(c, completion) for c in completion._finish(error)]
 
     def _complete_through(self, token: int) -> list[_Callback]:
         """A receipt in frame order: every cumulative call up to ``token`` is confirmed."""
@@ -952,11 +962,7 @@ class Connection:
             if pending is not None:
                 if pending.kind == _KIND_SEND:
                     self._confirmed += 1
-                if pending.producer is not None:
-                    pending.producer._outstanding -= 1
-                self._unconfirmed_bytes -= pending.size
-                completion = pending.completion
-                callbacks.extend((c, completion) for c in completion._finish(None))
+                callbacks.extend(self._settle(pending, None))
             if done == token:
                 break
         self._cond.notify_all()
@@ -981,17 +987,6 @@ class Connection:
             return
         self._receipt_order.append(token)
         self._unreceipted = 0
-
-    def _fail_locked(self, token: int, error: HaFailoverError) -> list[_Callback]:
-        pending = self._pending.pop(token, None)
-        if pending is None:
-            return []
-        if pending.producer is not None:
-            pending.producer._outstanding -= 1
-        self._unconfirmed_bytes -= pending.size
-        self._cond.notify_all()
-        completion = pending.completion
-        return [(c, completion) for c in completion._finish(error)]
 
     @staticmethod
     def _run_callback(
