@@ -1684,11 +1684,21 @@ class Producer:
                 if transacted:
                     rules = session.rules
                     assert isinstance(rules, TransactedAckRules)
-                    if rules.transaction.rollback_only or session._tx_link != link.serial:
+                    if rules.transaction.rollback_only:
                         # F9: the transaction is doomed; commit() will roll back and raise.
                         rules.transaction.work()
                         completion._finish(None)
                         return completion
+                    if session._tx_link != link.serial:
+                        # A failover replaced the link after this send's transaction was
+                        # begun, before any of its work was written (else it would be
+                        # rollback-only): begin it again on the new link and send there.
+                        connection._cond.release()
+                        try:
+                            tx = session._ensure_tx()
+                        finally:
+                            connection._cond.acquire()
+                        continue
                     rules.transaction.work()
                 token = None
                 if confirm:
