@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -104,14 +105,18 @@ def main() -> int:
             .trigger(processingTime="1 second")
             .start()
         )
+        # Let some batches commit (a loaded machine may take a while for the first one),
+        # kill the live, and make sure batches commit again after the failover.
         time.sleep(args.seconds / 2)
+        before = wait_for_batches(commit_log, 1)
         if args.kill_live:
             print(f"SIGKILL the live broker {pair.live}")
             pair.kill(pair.live)
         time.sleep(args.seconds / 2)
+        wait_for_batches(commit_log, before + 1)
         query.stop()
 
-        batches = [json.loads(line) for line in commit_log.read_text().splitlines()]
+        batches = read_batches(commit_log)
         committed = sum(b["rows"] for b in batches if b["committed"])
         received = read_orders(pair.stomp_url)
         duplicates = sum(n - 1 for n in received.values())
@@ -126,6 +131,24 @@ def main() -> int:
     ok = duplicates == 0 and set(range(committed)) <= received.keys()
     print("exactly once: yes" if ok else "exactly once: NO")
     return 0 if ok else 1
+
+
+def read_batches(commit_log: Path) -> list[dict[str, Any]]:
+    """The sink's per-batch records so far (none before the first commit)."""
+    if not commit_log.exists():
+        return []
+    return [json.loads(line) for line in commit_log.read_text().splitlines() if line]
+
+
+def wait_for_batches(commit_log: Path, count: int, timeout: float = 120.0) -> int:
+    """Wait until ``count`` batches have committed; return how many have."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        committed = sum(1 for batch in read_batches(commit_log) if batch["committed"])
+        if committed >= count:
+            return committed
+        time.sleep(0.2)
+    raise SystemExit(f"fewer than {count} batches committed within {timeout:.0f}s")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import attrs
 import pyarrow as pa
 from pyspark import TaskContext
 
@@ -29,6 +30,7 @@ from hafailover import AckMode, SendCompletion
 from hafailover.errors import ConfigurationError
 from hafailover.spark._options import SinkOptions
 from hafailover.spark._rows import ColumnPlan, IdScheme, to_messages
+from hafailover.url import parse_url
 
 __all__ = [
     "BATCH_ID_PROPERTY",
@@ -69,9 +71,12 @@ class _Link:
     """One connection with the session and the producer the sink sends through."""
 
     def __init__(self, options: SinkOptions) -> None:
-        self.connection = hafailover.connect(
-            options.url, user=options.user, password=options.password
-        )
+        policy = parse_url(options.url)
+        if "initial_connect_attempts" not in options.url:
+            # A worker may make its first connection after the live has failed over: for the
+            # sink the first connection fails over like any other (F12 lets the URL say so).
+            policy = attrs.evolve(policy, initial_connect_attempts=policy.reconnect_attempts or 1)
+        self.connection = hafailover.connect(policy, user=options.user, password=options.password)
         try:
             self.session = self.connection.create_session(AckMode.AUTO)
             self.producer = self.session.create_producer(None)
