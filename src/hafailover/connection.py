@@ -999,15 +999,24 @@ class Connection:
 
     def _wait_done(self, completion: SendCompletion, timeout: float | None) -> None:
         """Wait for a completion; failover time does not count against call_timeout."""
+        self._wait_until(
+            lambda: completion._done,
+            timeout,
+            lambda: f"the broker did not answer within {self.policy.call_timeout}s",
+        )
+
+    def _wait_until(
+        self, done: Callable[[], bool], timeout: float | None, timed_out: Callable[[], str]
+    ) -> None:
+        """Wait until ``done()`` for the broker's answers, asking for a receipt where one
+        is missing; time spent failing over does not count against the timeout (F1)."""
         budget = self.policy.call_timeout if timeout is None else timeout
         with self._cond:
             last = time.monotonic()
-            while not completion._done:
+            while not done():
                 self._ask_for_receipt()
                 if budget <= 0:
-                    raise CallTimeoutError(
-                        f"the broker did not answer within {self.policy.call_timeout}s"
-                    )
+                    raise CallTimeoutError(timed_out())
                 self._cond.wait(min(budget, 0.5))
                 now = time.monotonic()
                 if self._machine.is_up:
@@ -1756,21 +1765,11 @@ class Producer:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every send_async of this producer has completed."""
-        connection = self.session.connection
-        budget = connection.policy.call_timeout if timeout is None else timeout
-        with connection._cond:
-            last = time.monotonic()
-            while self._outstanding > 0:
-                connection._ask_for_receipt()
-                if budget <= 0:
-                    raise CallTimeoutError(
-                        f"{self._outstanding} send(s) still unconfirmed after the timeout"
-                    )
-                connection._cond.wait(min(budget, 0.5))
-                now = time.monotonic()
-                if connection._machine.is_up:
-                    budget -= now - last
-                last = now
+        self.session.connection._wait_until(
+            lambda: self._outstanding <= 0,
+            timeout,
+            lambda: f"{self._outstanding} send(s) still unconfirmed after the timeout",
+        )
 
     def close(self) -> None:
         self.flush()
