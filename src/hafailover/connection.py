@@ -1322,20 +1322,26 @@ class Session:
                 handle = self._ensure_tx()
             self._settle_transfers()
             self._end_on_broker(handle, commit=True, received=received, quiet=False)
-        except UnblockedError:
+        except (UnblockedError, TransactionOutcomeUnknownError, CallTimeoutError) as exc:
+            # No answer came: the connection was lost (whether or not its failover is applied
+            # yet) or the call timed out. Only whether the commit was written says what may
+            # have happened; never report as rolled back a commit the broker may have done.
             with connection._cond:
-                fate = transaction.commit_fate()
+                fate = transaction.commit_interrupted()
                 tx_rules.transaction_ended()
                 self._tx = None
-            if fate is not None and fate.code is ErrorCode.TRANSACTION_ROLLED_BACK:
+            if fate.code is ErrorCode.TRANSACTION_ROLLED_BACK:
                 raise TransactionRolledBackError(
-                    "the connection failed over before the commit reached the broker; "
+                    "the connection was lost before the commit reached the broker; "
                     "the transaction was rolled back"
                 ) from None
+            why = "timed out" if isinstance(exc, CallTimeoutError) else "its connection was lost"
             raise TransactionOutcomeUnknownError(
-                "the connection failed over after the commit was sent; it may or may not "
-                "have happened (retry with the same duplicate ids to be safe)"
+                f"the commit was sent but {why} before the broker answered; it may or may "
+                "not have happened (retry with the same duplicate ids to be safe)"
             ) from None
+        except TransactionRolledBackError:
+            raise  # a refused send of the transaction: rolled back already
         except RemoteError as exc:
             with connection._cond:
                 transaction.commit_finished()
@@ -1354,13 +1360,24 @@ class Session:
         connection = self.connection
         with connection._cond:
             decision = tx_rules.transaction.rollback()
-            self._tx_sends = []
-            received = tx_rules.received_in_transaction()
-            tx_rules.transaction_ended()
-            handle = self._take_tx() if decision.rollback_on_broker else None
-            for consumer in self._consumers.values():
-                consumer._drop_buffer(give_back=True)
+            handle, received = self._end_transaction_locked(
+                tx_rules, on_broker=decision.rollback_on_broker
+            )
         self._end_on_broker(handle, commit=False, received=received, quiet=True)
+
+    def _end_transaction_locked(
+        self, tx_rules: TransactedAckRules, *, on_broker: bool
+    ) -> tuple[object, tuple[str, ...]]:
+        """Under the lock, for a rollback: forget the transaction's work and prefetched
+        messages; return the broker's transaction to roll back (None: nothing to send)
+        and the deliveries to give back."""
+        self._tx_sends = []
+        received = tx_rules.received_in_transaction()
+        tx_rules.transaction_ended()
+        handle = self._take_tx() if on_broker else None
+        for consumer in self._consumers.values():
+            consumer._drop_buffer(give_back=True)
+        return handle, received
 
     def _settle_transfers(self) -> None:
         """AMQP: every transfer of the transaction settled by the broker before the
@@ -1372,7 +1389,13 @@ class Session:
             except UnblockedError:
                 raise
             except RemoteError as exc:
-                self.rollback()
+                # The commit is abandoned before its discharge: roll back, as rollback()
+                # would (which refuses to run while a commit is running).
+                tx_rules = self._transacted_rules("commit")
+                with self.connection._cond:
+                    tx_rules.transaction.commit_finished()
+                    handle, received = self._end_transaction_locked(tx_rules, on_broker=True)
+                self._end_on_broker(handle, commit=False, received=received, quiet=True)
                 raise TransactionRolledBackError(
                     f"the broker refused a send of the transaction, which was rolled back: {exc}"
                 ) from exc

@@ -92,7 +92,8 @@ def test_producer_and_consumer_survive_sigkill_of_live(
     confirmed = {entry["seq"] for entry in sent if entry["outcome"] == "confirmed"}
     assert len(confirmed) == count == p_summary["confirmed"], p_summary
     received = [entry["seq"] for entry in read_record(consumed)]
-    assert confirmed - set(received) == set(), c_summary  # lost
-    assert set(received) - confirmed == set()  # unexpected
+    said = f"consumer: {c_out}{c_err}"
+    assert confirmed - set(received) == set(), said  # lost
+    assert set(received) - confirmed == set(), said  # unexpected
     duplicates = sorted({seq for seq in received if received.count(seq) > 1})
-    assert duplicates == [], c_summary
+    assert duplicates == [], said

@@ -109,6 +109,46 @@ def test_f3_commit_the_reattached_server_received_is_outcome_unknown() -> None:
     assert fate is not None and fate.code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
 
 
+def test_f3_commit_written_and_cut_before_the_failover_is_applied_is_outcome_unknown() -> None:
+    """The transport can report the lost answer before the driver applies the failover:
+    a written commit may have happened, whichever comes first."""
+    tx = dirty()
+    tx.begin_commit()
+    tx.commit_written()
+    fate = tx.commit_interrupted()
+    assert fate.action is CommitAction.RAISE
+    assert fate.code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
+    assert tx.phase is TxPhase.CLEAN
+    # The failover applied afterwards finds nothing to decide and leaves no fate behind.
+    assert tx.failover(reattached=False, lost_work=False) is False
+    assert tx.commit_fate() is None
+
+
+def test_f3_commit_cut_before_it_was_written_is_rolled_back() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    fate = tx.commit_interrupted()
+    assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+    assert tx.phase is TxPhase.CLEAN
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_f3_an_interrupted_commit_keeps_the_failovers_decision(written: bool) -> None:
+    tx = dirty()
+    tx.begin_commit()
+    if written:
+        tx.commit_written()
+    tx.failover(reattached=False, lost_work=False)
+    tx.work()  # a new transaction began meanwhile: the interrupted commit must not touch it
+    fate = tx.commit_interrupted()
+    expected = (
+        ErrorCode.TRANSACTION_OUTCOME_UNKNOWN if written else ErrorCode.TRANSACTION_ROLLED_BACK
+    )
+    assert fate.code is expected
+    assert tx.phase is TxPhase.DIRTY
+    assert tx.commit_fate() is None  # told once
+
+
 def test_misuse_while_committing_is_an_illegal_state_and_changes_nothing() -> None:
     tx = dirty()
     tx.begin_commit()

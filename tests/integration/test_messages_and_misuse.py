@@ -15,10 +15,14 @@ from hafailover import (
     AckMode,
     ConfigurationError,
     ConnectionClosedError,
+    Destination,
+    DestinationKind,
     IllegalStateError,
     InvalidURLError,
     Message,
     MessageTooLargeError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
 )
 from hafailover.connection import MAX_MESSAGE_BYTES
 from reference_broker import BrokerPair
@@ -119,3 +123,34 @@ def test_misuse_is_refused_and_harms_nothing(pair: BrokerPair, protocol: str) ->
         assert again.text == "still fine"
         again.acknowledge()
         assert connection.statistics().failovers == 0
+
+
+def test_a_send_the_broker_refuses_rolls_the_transaction_back(
+    pair: BrokerPair, protocol: str
+) -> None:
+    """A transacted send to an address that does not exist: the commit does not happen, the
+    error says why, and the same session commits its next transaction."""
+    missing = Destination(DestinationKind.TEMPORARY_QUEUE, "never-created")
+    with hafailover.connect(url_for(pair, protocol)) as connection:
+        session = connection.create_session(AckMode.SESSION_TRANSACTED)
+        producer = session.create_producer("queue://refused-tx")
+        producer.send("rolled back", headers={"seq": 1})
+        session.create_producer(missing).send("nowhere")
+        if protocol == "amqp":
+            # AMQP rejects the transfer: the commit rolls the transaction back.
+            with pytest.raises(TransactionRolledBackError, match="never-created"):
+                session.commit()
+        else:
+            # A STOMP broker answers with ERROR and closes the connection: the commit's
+            # answer is lost with it, and the client cannot say more than that.
+            with pytest.raises(TransactionOutcomeUnknownError):
+                session.commit()
+        producer.send("committed", headers={"seq": 2})
+        session.commit()
+        reader = connection.create_session()
+        consumer = reader.create_consumer("queue://refused-tx")
+        connection.start()
+        bodies = []
+        while (message := consumer.receive(1.0)) is not None:
+            bodies.append(message.text)
+        assert bodies == ["committed"]

@@ -129,6 +129,26 @@ class TransactionState:
         fate, self._commit_fate = self._commit_fate, None
         return fate
 
+    def commit_interrupted(self) -> CommitDecision:
+        """The commit's wait ended without the broker's answer (its connection was lost or
+        the call timed out): what commit() raises, whether or not a failover was applied yet.
+
+        A failover that caught the commit has decided already. Otherwise a commit not yet
+        written is rolled back with its connection, and one written may have happened: its
+        outcome is unknown. Either way this transaction is over."""
+        fate = self.commit_fate()
+        if fate is not None:
+            return fate  # the failover reset the transaction
+        if self.phase is TxPhase.COMMITTING:
+            fate = CommitDecision(
+                CommitAction.ROLL_BACK_AND_RAISE, ErrorCode.TRANSACTION_ROLLED_BACK
+            )
+        else:
+            fate = CommitDecision(CommitAction.RAISE, ErrorCode.TRANSACTION_OUTCOME_UNKNOWN)
+        if self.phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
+            self._reset()
+        return fate
+
     def rollback(self) -> RollbackDecision:
         """rollback() was called: always succeeds, and the session is clean after it."""
         if self.phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
