@@ -10,7 +10,8 @@ Rules this module enforces:
   connection is closed after it, as the spec requires.
 - A receipt for a SEND of a persistent message, an ACK, NACK, COMMIT or DISCONNECT is sent
   only when what it confirms is durable (the live's journal and the backup). Receipts go out
-  in the order their frames came in.
+  in the order their frames came in, and any receipt also waits for the durable work of the
+  frames before it that asked for none: one receipt confirms every frame before it.
 - Heart-beats both ways: the server sends EOLs at the negotiated period and closes a
   connection that stays silent for twice the period it asked for.
 - Destinations: ``/queue/x``, ``/topic/x``, ``/temp-queue/x`` and the ``queue://x`` forms.
@@ -188,6 +189,9 @@ class StompConnection(asyncio.Protocol):
         self.session: StompSession | None = None
         self.peer = "?"
         self._receipts: deque[tuple[asyncio.Future[None] | None, bytes]] = deque()
+        # Durable work done since the last receipt that waited for durability: the next
+        # receipt confirms it too (one receipt confirms every frame before it).
+        self._owed_durable = False
         self._closing = False
         self._explicit_disconnect = False
         self._last_received = time.monotonic()
@@ -296,7 +300,10 @@ class StompConnection(asyncio.Protocol):
             session.bytes_since_confirm += size
             if session.bytes_since_confirm * 2 >= session.window:
                 session.bytes_since_confirm = 0
-                self._send_receipt(f"{CONFIRM_PREFIX}{session.received}", durable=False)
+                # It says what was received, not what is durable: it owes nothing.
+                self._send_receipt(
+                    f"{CONFIRM_PREFIX}{session.received}", durable=False, window=True
+                )
 
     def _on_connect(self, frame: Frame) -> None:
         versions = [v.strip() for v in frame.get("accept-version", "1.0").split(",")]
@@ -419,9 +426,7 @@ class StompConnection(asyncio.Protocol):
             tx=tx,
         )
         self.core.kick()
-        receipt = frame.get("receipt")
-        if receipt is not None:
-            self._send_receipt(receipt, durable=persistent and tx is None)
+        self._maybe_receipt(frame, durable=persistent and tx is None)
 
     def _on_subscribe(self, frame: Frame, session: StompSession) -> None:
         sub_id = frame.get("id")
@@ -466,9 +471,7 @@ class StompConnection(asyncio.Protocol):
         session.destinations[consumer_id] = destination
         self.core.add_target(consumer_id, self)
         self.core.kick()
-        receipt = frame.get("receipt")
-        if receipt is not None:
-            self._send_receipt(receipt, durable=True)
+        self._maybe_receipt(frame, durable=True)
 
     def _browse(self, sub_id: str, destination: str, session: StompSession, frame: Frame) -> None:
         """A queue browser (ActiveMQ's ``browser:true``): a snapshot of the waiting messages,
@@ -477,9 +480,7 @@ class StompConnection(asyncio.Protocol):
         address = stomp_destination(destination, session)
         if address.startswith("topic://"):
             raise InvalidRequestError(f"only queues can be browsed, not {destination}")
-        receipt = frame.get("receipt")
-        if receipt is not None:
-            self._send_receipt(receipt, durable=False)
+        self._maybe_receipt(frame, durable=False)
         for message in (
             self.core.engine.browse(address) if address in self.core.engine.queues() else []
         ):
@@ -594,12 +595,21 @@ class StompConnection(asyncio.Protocol):
         return tx
 
     def _maybe_receipt(self, frame: Frame, *, durable: bool) -> None:
+        """Answer ``frame``'s receipt header; ``durable``: what the frame did must be durable
+        first. Without a receipt, that durability is owed to the next receipt."""
         receipt = frame.get("receipt")
         if receipt is not None:
             self._send_receipt(receipt, durable=durable)
+        elif durable:
+            self._owed_durable = True
 
-    def _send_receipt(self, receipt_id: str, *, durable: bool, then_close: bool = False) -> None:
+    def _send_receipt(
+        self, receipt_id: str, *, durable: bool, then_close: bool = False, window: bool = False
+    ) -> None:
         data = encode(Frame("RECEIPT", (("receipt-id", receipt_id),)))
+        if not window:
+            durable = durable or self._owed_durable
+            self._owed_durable = False
         future = self.core.durable() if durable else None
         if future is None and not self._receipts:
             self._write(data)

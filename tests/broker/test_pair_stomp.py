@@ -5,6 +5,7 @@ These tests talk to real node processes started by ``BrokerPair``; nothing is mo
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -209,3 +210,42 @@ def _observe_pause(pair: BrokerPair) -> None:
     while live.role != "backup" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live.role == "backup"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("last", ["ABORT", "SEND-non-persistent", "SUBSCRIBE-browser"])
+def test_any_receipt_confirms_the_durable_work_of_the_frames_before_it(
+    tmp_path: Path, last: str
+) -> None:
+    """Persistent sends without a receipt, then a frame whose own receipt needs nothing
+    durable: that receipt waits until the sends are durable, for a client takes it as the
+    confirmation of every frame before it. With the backup paused, nothing is durable."""
+    with BrokerPair(tmp_path / "pair", heartbeat_timeout=10.0) as pair:
+        pair.wait_synchronized(30)
+        c = WireClient(pair.live.stomp_port)
+        c.connect()
+        destination = f"/queue/owed-{last}"
+        pair.pause(pair.backup)
+        try:
+            for i in range(5):
+                c.send("SEND", {"destination": destination, "persistent": "true"}, b"%d" % i)
+            if last == "ABORT":
+                c.send("BEGIN", {"transaction": "t"})
+                c.send("ABORT", {"transaction": "t", "receipt": "r"})
+            elif last == "SEND-non-persistent":
+                c.send("SEND", {"destination": destination, "receipt": "r"}, b"n")
+            else:
+                c.send(
+                    "SUBSCRIBE",
+                    {"destination": "/queue/other", "id": "b", "browser": "true", "receipt": "r"},
+                )
+            early = []  # a browser's MESSAGE frames may come; the receipt may not
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    early.append(c.receive(timeout=1.0).command)
+            assert "RECEIPT" not in early  # held back: the backup has acknowledged nothing
+        finally:
+            pair.resume(pair.backup)
+        frames = c.receive_until("RECEIPT", timeout=10.0)
+        assert frames[-1].get("receipt-id") == "r"
+        c.close()
