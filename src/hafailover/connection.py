@@ -1195,12 +1195,7 @@ class Session:
                 f"acknowledge() is for CLIENT and CLIENT_INDIVIDUAL sessions, "
                 f"not {self.ack_mode.value}"
             )
-        unacked = rules.unacknowledged
-        if not unacked and not rules.dirty:
-            return
-        delivery = rules.delivered(unacked[-1]) if unacked else rules.delivered("")
-        # delivered() re-adds the last tag: harmless, it is already there.
-        self._acknowledge_delivery(delivery)
+        self._acknowledge_delivery(None)
 
     def _acknowledge_message(self, message: Message) -> None:
         delivery = message.delivery
@@ -1212,10 +1207,22 @@ class Session:
             return  # JMS: acknowledge() is ignored outside CLIENT modes
         self._acknowledge_delivery(delivery)
 
-    def _acknowledge_delivery(self, delivery: Any) -> None:
+    def _acknowledge_delivery(self, delivery: Any | None) -> None:
+        """Acknowledge ``delivery`` (None: everything this session delivered)."""
         connection = self.connection
         with connection._cond:
+            # F1 first: wait out a failover, so that the rules decide with its outcome
+            # applied (a session it made dirty raises) and no delivery id of the old link
+            # is written on the new one, where it names another message.
+            link = connection._admit(connection._failover_deadline())
             rules = self.rules
+            if delivery is None:
+                assert isinstance(rules, ClientAckRules)
+                unacked = rules.unacknowledged
+                if not unacked and not rules.dirty:
+                    return
+                # delivered() re-adds the last tag: harmless, it is already there.
+                delivery = rules.delivered(unacked[-1]) if unacked else rules.delivered("")
             held = rules.unacknowledged if isinstance(rules, ClientAckRules) else ()
             decision = rules.acknowledge(delivery)
             if decision.action is AckAction.RAISE:
@@ -1232,7 +1239,6 @@ class Session:
                 )
             if decision.action is not AckAction.SEND or not decision.tags:
                 return
-            link = connection._admit(connection._failover_deadline())
             completion = SendCompletion(connection, None)
             token = connection._register(_Pending(_KIND_CALL, completion, self, -1))
             try:

@@ -298,6 +298,34 @@ def test_f8_client_ack_dirty_session_raises_then_recovers(pair: BrokerPair, prot
     assert drain(url, "queue://f8") == []
 
 
+@pytest.mark.parametrize("individual", [False, True], ids=["client", "client-individual"])
+def test_f8_acknowledge_called_while_failing_over_raises_and_loses_nothing(
+    pair: BrokerPair, protocol: str, individual: bool
+) -> None:
+    """F1 + F8: an acknowledge() called during the failover waits for it, then finds the
+    session dirty: it raises, and nothing is acknowledged on the new connection (where the
+    old delivery ids name other messages)."""
+    url = url_for(pair, protocol)
+    _fill(url, "queue://f8w", 10)
+    mode = AckMode.CLIENT_INDIVIDUAL if individual else AckMode.CLIENT
+    with hafailover.connect(url) as connection:
+        session = connection.create_session(mode)
+        consumer = session.create_consumer("queue://f8w", prefetch=10)
+        connection.start()
+        first = [consumer.receive(5) for _ in range(5)]
+        assert all(m is not None for m in first)
+        pair.kill(pair.live)
+        wait_until(lambda: connection.state == "failing over", 10, "the failover to start")
+        with pytest.raises(StaleAcknowledgeError):
+            first[-1].acknowledge()  # type: ignore[union-attr]
+        received = []
+        while (message := consumer.receive(3.0)) is not None:
+            received.append(message)
+            message.acknowledge()
+        assert sorted(seqs(received)) == list(range(10))
+    assert drain(url, "queue://f8w") == []
+
+
 def test_f8_recover_after_failover_cleans_the_session(pair: BrokerPair, protocol: str) -> None:
     """F8: recover() after failover succeeds and the session is clean."""
     url = url_for(pair, protocol)
