@@ -96,7 +96,7 @@ from hafailover.failover import (
 from hafailover.message import Message, PropertyValue
 from hafailover.report import FailoverReport, SessionFailover
 from hafailover.schedule import Attempt, AttemptsExhausted, ReconnectCancelled, ReconnectSchedule
-from hafailover.tx.state import CommitAction
+from hafailover.tx.state import CommitAction, TxPhase
 from hafailover.url import FailoverPolicy, parse_url
 from hafailover.window import ConfirmationWindow, ReattachImpossibleError
 
@@ -1290,6 +1290,8 @@ class Session:
         transaction = tx_rules.transaction
         connection = self.connection
         with connection._cond:
+            # One lock hold from the decision to reading the work it covers: a failover
+            # applied in between would roll the work back behind the commit's back.
             decision = transaction.begin_commit()
             # The commit belongs to this link: if a failover replaces it before the commit
             # is written, the transaction rules decide its fate (it never moves links).
@@ -1299,6 +1301,9 @@ class Session:
                 received = tx_rules.received_in_transaction()
                 tx_rules.transaction_ended()
                 handle = self._take_tx()
+            else:
+                handle = self._tx
+                received = tx_rules.received_in_transaction()
         if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
             self._end_on_broker(handle, commit=False, received=received, quiet=True)
             raise TransactionRolledBackError(
@@ -1306,11 +1311,12 @@ class Session:
                 "replay its work and commit again"
             )
         with connection._cond:
-            handle = self._tx
-            received = tx_rules.received_in_transaction()
             stale = handle is not None and self._tx_link != getattr(
                 connection._link, "serial", None
             )
+            if transaction.phase is not TxPhase.COMMITTING:
+                # A failover applied since the decision caught the commit: it decided.
+                self._commit_interrupted(tx_rules, None)
             if (handle is None and not received) or stale:
                 transaction.commit_finished()
                 tx_rules.transaction_ended()
@@ -1328,24 +1334,17 @@ class Session:
                 handle = self._ensure_tx()
             self._settle_transfers()
             self._end_on_broker(handle, commit=True, received=received, quiet=False)
-        except (UnblockedError, TransactionOutcomeUnknownError, CallTimeoutError) as exc:
-            # No answer came: the connection was lost (whether or not its failover is applied
-            # yet) or the call timed out. Only whether the commit was written says what may
-            # have happened; never report as rolled back a commit the broker may have done.
+        except (
+            UnblockedError,
+            TransactionOutcomeUnknownError,
+            CallTimeoutError,
+            DisconnectedError,
+        ) as exc:
+            # No answer came: the connection was lost (failed over or not, yet or for good)
+            # or the call timed out. Only whether the commit was written says what may have
+            # happened; never report as rolled back a commit the broker may have done.
             with connection._cond:
-                fate = transaction.commit_interrupted()
-                tx_rules.transaction_ended()
-                self._tx = None
-            if fate.code is ErrorCode.TRANSACTION_ROLLED_BACK:
-                raise TransactionRolledBackError(
-                    "the connection was lost before the commit reached the broker; "
-                    "the transaction was rolled back"
-                ) from None
-            why = "timed out" if isinstance(exc, CallTimeoutError) else "its connection was lost"
-            raise TransactionOutcomeUnknownError(
-                f"the commit was sent but {why} before the broker answered; it may or may "
-                "not have happened (retry with the same duplicate ids to be safe)"
-            ) from None
+                self._commit_interrupted(tx_rules, exc)
         except TransactionRolledBackError:
             raise  # a refused send of the transaction: rolled back already
         except RemoteError as exc:
@@ -1358,6 +1357,32 @@ class Session:
             transaction.commit_finished()
             tx_rules.transaction_ended()
             self._tx = None
+
+    def _commit_interrupted(self, tx_rules: TransactedAckRules, exc: BaseException | None) -> None:
+        """Under the lock: end a commit that got no answer and raise what may have happened:
+        rolled back (never written), outcome unknown, or, once the connection is lost for
+        good, DisconnectedError (F2) saying which of the two."""
+        fate = tx_rules.transaction.commit_interrupted()
+        tx_rules.transaction_ended()
+        self._tx = None
+        rolled_back = fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+        if isinstance(exc, DisconnectedError):
+            outcome = (
+                "the transaction was rolled back"
+                if rolled_back
+                else "the commit was sent and may or may not have happened"
+            )
+            raise DisconnectedError(f"{exc}; {outcome}") from None
+        if rolled_back:
+            raise TransactionRolledBackError(
+                "the connection was lost before the commit reached the broker; "
+                "the transaction was rolled back"
+            ) from None
+        why = "timed out" if isinstance(exc, CallTimeoutError) else "its connection was lost"
+        raise TransactionOutcomeUnknownError(
+            f"the commit was sent but {why} before the broker answered; it may or may "
+            "not have happened (retry with the same duplicate ids to be safe)"
+        ) from None
 
     def rollback(self) -> None:
         """Roll the transaction back; always succeeds and cleans the session (F9)."""

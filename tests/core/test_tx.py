@@ -149,6 +149,17 @@ def test_f3_an_interrupted_commit_keeps_the_failovers_decision(written: bool) ->
     assert tx.commit_fate() is None  # told once
 
 
+def test_a_fate_left_by_a_failover_never_reaches_a_later_commit() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    tx.failover(reattached=False, lost_work=False)  # caught before it was written
+    # Nobody took the fate (the commit ended otherwise); the next commit is written, cut.
+    tx.work()
+    tx.begin_commit()
+    tx.commit_written()
+    assert tx.commit_interrupted().code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
+
+
 def test_misuse_while_committing_is_an_illegal_state_and_changes_nothing() -> None:
     tx = dirty()
     tx.begin_commit()

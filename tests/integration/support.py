@@ -65,7 +65,9 @@ def wait_until(predicate: object, timeout: float, what: str) -> None:
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection at once."""
+    """Forwards 127.0.0.1:<port> to a target; ``cut()`` drops every connection at once;
+    ``mute()`` drops what the broker says from then on (it still gets and does everything
+    the client writes) and refuses new connections: an answer lost with its network."""
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
         self.target = (target_host, target_port)
@@ -74,6 +76,7 @@ class TcpProxy:
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._muted = threading.Event()
         self.connections = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -83,6 +86,9 @@ class TcpProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
+            if self._muted.is_set():
+                client.close()
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
@@ -91,14 +97,15 @@ class TcpProxy:
             with self._lock:
                 self._sockets += [client, upstream]
                 self.connections += 1
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, muted in ((client, upstream, None), (upstream, client, self._muted)):
+                threading.Thread(target=self._pump, args=(a, b, muted), daemon=True).start()
 
     @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(source: socket.socket, sink: socket.socket, muted: threading.Event | None) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
-                sink.sendall(data)
+                if muted is None or not muted.is_set():
+                    sink.sendall(data)
         for s in (source, sink):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
@@ -113,6 +120,9 @@ class TcpProxy:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):
                 s.close()
+
+    def mute(self) -> None:
+        self._muted.set()
 
     def close(self) -> None:
         self._closed = True

@@ -29,7 +29,7 @@ from hafailover import (
 )
 from reference_broker import BrokerPair
 
-from .support import drain, seqs, url_for, wait_until
+from .support import drain, proxy, seqs, single_url, url_for, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -193,6 +193,45 @@ def test_f3_commit_caught_by_failover_raises(pair: BrokerPair, protocol: str) ->
         # The session works on: a retried transaction commits.
         producer.send("b", headers={"seq": 2})
         session.commit()
+
+
+@pytest.mark.parametrize("role", ["consumer", "producer"])
+def test_f2_f3_a_commit_whose_answer_is_lost_for_good_says_what_may_have_happened(
+    pair: BrokerPair, protocol: str, role: str
+) -> None:
+    """F2 + F3: the answer to a commit is lost and the connection cannot fail over
+    (reconnect_attempts=0): commit() raises DisconnectedError saying whether the commit was
+    written (it may have happened: the broker did it here) or not (rolled back)."""
+    queue = f"queue://f3lost-{role}"
+    port = pair.live.stomp_port if protocol == "stomp" else pair.live.amqp_port
+    if role == "consumer":
+        _fill(url_for(pair, protocol), queue, 5)
+    with proxy(port) as cut_off:
+        url = single_url(protocol, "127.0.0.1", cut_off.port, pair, reconnect_attempts=0)
+        with hafailover.connect(url) as connection:
+            session = connection.create_session(AckMode.SESSION_TRANSACTED)
+            if role == "consumer":
+                consumer = session.create_consumer(queue)
+                connection.start()
+                assert all(consumer.receive(5) is not None for _ in range(5))
+            else:
+                session.create_producer(queue).send("m", headers={"seq": 0})
+                # A confirmed send on the same connection: the broker answered everything
+                # before it, so nothing but the commit's own answer is left to lose.
+                connection.create_session().create_producer(f"{queue}-sync").send("sync")
+            cut_off.mute()
+            # AMQP settles a transaction's acknowledges before the discharge is written;
+            # muted, they never are: that commit was never written. STOMP writes both.
+            written = not (protocol == "amqp" and role == "consumer")
+            with pytest.raises(DisconnectedError) as raised:
+                session.commit()
+            said = str(raised.value)
+            assert ("may or may not" in said) if written else ("rolled back" in said), said
+    left = seqs(drain(url_for(pair, protocol), queue))
+    if role == "consumer":
+        assert sorted(left) == ([] if written else [0, 1, 2, 3, 4])
+    else:
+        assert left == [0]  # the broker committed what the client could not confirm
 
 
 def test_f5_consumers_and_temporary_queues_are_recreated(pair: BrokerPair, protocol: str) -> None:

@@ -26,6 +26,7 @@ from hafailover.connection import Connection, Consumer, Session, connect
 from hafailover.errors import (
     AcknowledgeFailedError,
     CallTimeoutError,
+    DisconnectedError,
     HaFailoverError,
     LocalError,
     StaleAcknowledgeError,
@@ -201,11 +202,19 @@ def _consume(
             run.discarded += len(batch)
             run.idle_since = time.monotonic()
             return
-        except (TransactionOutcomeUnknownError, UnblockedError, CallTimeoutError):
-            # Settled or not, nobody can say yet: if not, the batch comes again.
+        except (
+            TransactionOutcomeUnknownError,
+            UnblockedError,
+            CallTimeoutError,
+            DisconnectedError,
+        ) as exc:
+            # Settled or not, nobody can say yet: if not, the batch comes again. With the
+            # connection lost for good it is recorded in doubt at the end, never dropped.
             run.outcome_unknown += 1
             for message in batch:
                 run.held[_identity(message)] = message
+            if isinstance(exc, DisconnectedError):
+                raise
             return
         if mode is not AckMode.AUTO and mode is not AckMode.DUPS_OK:
             run.settled += 1

@@ -104,6 +104,7 @@ class TransactionState:
         """commit() was called."""
         if self.phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
             raise IllegalStateError("commit() is already running on this session")
+        self._commit_fate = None  # a fate belongs to the commit it caught, never a later one
         if self.phase is TxPhase.ROLLBACK_ONLY:
             on_broker = self._broker_has_tx
             self._reset()
@@ -123,6 +124,7 @@ class TransactionState:
     def commit_finished(self) -> None:
         """The broker answered the commit (success or rolled back): a new transaction starts."""
         self._reset()
+        self._commit_fate = None
 
     def commit_fate(self) -> CommitDecision | None:
         """After a failover caught a commit: what the waiting commit() must do, once."""
