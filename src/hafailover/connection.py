@@ -1764,6 +1764,7 @@ class Producer:
                         continue
                     rules.transaction.work()
                 token = None
+                transfer: SendCompletion | None = None
                 if confirm:
                     token = connection._register(
                         _Pending(
@@ -1795,6 +1796,14 @@ class Producer:
                 try:
                     command_id = link.send(target, msg, tx=tx, token=token if ask else None)
                 except HaFailoverError as exc:
+                    if not isinstance(exc, NotConnectedError | UnblockedError):
+                        # Not the link's fault (a message this protocol cannot carry):
+                        # nothing was sent, the connection is fine, the caller hears why.
+                        if token is not None:
+                            connection._finish_locked(token, exc)
+                        if transfer is not None:
+                            session._tx_sends.remove(transfer)
+                        raise
                     connection._io_failed(link, exc)
                     if transacted:
                         # The transaction is doomed by the failover (F9): commit() says so.

@@ -154,3 +154,32 @@ def test_a_send_the_broker_refuses_rolls_the_transaction_back(
         while (message := consumer.receive(1.0)) is not None:
             bodies.append(message.text)
         assert bodies == ["committed"]
+
+
+def test_a_message_amqp_cannot_encode_is_refused_and_harms_nothing(pair: BrokerPair) -> None:
+    """An integer property beyond AMQP's range: each kind of send raises a clear error at
+    once (never a failover, never a hang) and the rest of the transaction commits."""
+    with hafailover.connect(url_for(pair, "amqp")) as connection:
+        too_big = {"seq": 2, "big": 2**70}
+        fire_and_forget = connection.create_session().create_producer(
+            "queue://unencodable", confirm=False
+        )
+        with pytest.raises(ConfigurationError, match="cannot be encoded"):
+            fire_and_forget.send("x", headers=too_big)
+        confirmed = connection.create_session().create_producer("queue://unencodable")
+        with pytest.raises(ConfigurationError, match="cannot be encoded"):
+            confirmed.send("x", headers=too_big)
+        session = connection.create_session(AckMode.SESSION_TRANSACTED)
+        producer = session.create_producer("queue://unencodable")
+        producer.send("kept", headers={"seq": 1})
+        with pytest.raises(ConfigurationError, match="cannot be encoded"):
+            producer.send("x", headers=too_big)
+        producer.send("kept too", headers={"seq": 3})
+        session.commit()
+        consumer = connection.create_session().create_consumer("queue://unencodable")
+        connection.start()
+        bodies = []
+        while (message := consumer.receive(1.0)) is not None:
+            bodies.append(message.text)
+        assert bodies == ["kept", "kept too"]
+        assert connection.statistics().failovers == 0
