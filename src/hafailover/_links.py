@@ -29,7 +29,13 @@ from hafailover.adapters.stomp import (
     stomp_address,
 )
 from hafailover.destination import Destination, DestinationKind
-from hafailover.errors import NotConnectedError, ProtocolError, RemoteError, UnblockedError
+from hafailover.errors import (
+    CallTimeoutError,
+    NotConnectedError,
+    ProtocolError,
+    RemoteError,
+    UnblockedError,
+)
 from hafailover.message import Message
 from hafailover.url import BrokerAddress, FailoverPolicy
 from hafailover.window import ConfirmationWindow
@@ -364,8 +370,12 @@ class AmqpLink:
                 settle_on_delivery=not acknowledged,
             )
         except RemoteError as exc:
-            if token is None or isinstance(exc, NotConnectedError | UnblockedError):
-                raise  # the connection failed, not the subscription: failover handles it
+            if token is None or isinstance(
+                exc, NotConnectedError | UnblockedError | CallTimeoutError
+            ):
+                # The connection failed or did not answer in time, not the subscription:
+                # the caller decides (a failover's recreation fails its attempt).
+                raise
             error = exc
         if token is not None:
             self.events.link_completed(self, token, error)

@@ -843,7 +843,7 @@ class Connection:
                 callbacks = self._fail_locked(token, error)
                 consumer = pending.consumer
                 if consumer is not None and not isinstance(
-                    error, NotConnectedError | UnblockedError
+                    error, NotConnectedError | UnblockedError | CallTimeoutError
                 ):
                     # The broker refused the subscription: the consumer is gone, so a
                     # reconnect does not ask again (and get refused again).
@@ -1055,6 +1055,10 @@ class Connection:
                         self._io_failed(link, exc)
                         continue  # the failover recreates the link; subscribe on the new one
                     consumer.session._consumers.pop(consumer.subscription, None)
+                    if isinstance(exc, CallTimeoutError):
+                        # The broker may still attach it: take back what was asked for.
+                        with contextlib.suppress(HaFailoverError):
+                            link.unsubscribe(consumer.subscription)
                     raise
                 return
 

@@ -263,6 +263,38 @@ def test_f5_consumers_and_temporary_queues_are_recreated(pair: BrokerPair, proto
         assert not report.reattached
 
 
+def test_f5_a_recreation_the_broker_is_slow_to_answer_is_retried_not_given_up(
+    pair: BrokerPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F5: the backup does not answer a recreated consumer's attach within call_timeout
+    (simulated: the first such wait on the reconnect thread times out). That attempt fails
+    and the next one recreates the consumer; it is never closed behind the app's back."""
+    from hafailover.adapters import amqp as amqp_adapter
+
+    real_subscribe = amqp_adapter.AmqpTransport.subscribe
+    slowed: list[str] = []
+
+    def slow_once(self: object, *args: object, **kwargs: object) -> object:
+        if threading.current_thread().name == "hafailover-reconnect" and not slowed:
+            slowed.append("attach")
+            kwargs["timeout"] = 1e-6  # the adapter's own wait times out
+        return real_subscribe(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(amqp_adapter.AmqpTransport, "subscribe", slow_once)
+    url = url_for(pair, "amqp")
+    with hafailover.connect(url) as connection:
+        consumer = connection.create_session().create_consumer("queue://f5slow")
+        connection.start()
+        pair.kill(pair.live)
+        wait_until(lambda: connection.statistics().failovers == 1, 20, "the failover")
+        assert slowed == ["attach"]
+        connection.create_session().create_producer("queue://f5slow").send(
+            "after", headers={"seq": 1}
+        )
+        message = consumer.receive(10)
+        assert message is not None and message.text == "after"
+
+
 def test_f6_auto_ack_redelivers_at_most_the_last_message(pair: BrokerPair, protocol: str) -> None:
     """F6: AUTO_ACKNOWLEDGE: only the last delivered message may come again."""
     url = url_for(pair, protocol)
