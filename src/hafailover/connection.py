@@ -1320,7 +1320,7 @@ class Session:
             )
             if transaction.phase is not TxPhase.COMMITTING:
                 # A failover applied since the decision caught the commit: it decided.
-                self._commit_interrupted(tx_rules, None)
+                raise self._commit_interrupted(tx_rules, None)
             if (handle is None and not received) or stale:
                 transaction.commit_finished()
                 tx_rules.transaction_ended()
@@ -1348,7 +1348,16 @@ class Session:
             # or the call timed out. Only whether the commit was written says what may have
             # happened; never report as rolled back a commit the broker may have done.
             with connection._cond:
-                self._commit_interrupted(tx_rules, exc)
+                # Timed out before the commit was written, on a link that may live on: the
+                # broker's transaction is rolled back too, or it keeps the batch.
+                undo = isinstance(exc, CallTimeoutError) and (
+                    transaction.phase is TxPhase.COMMITTING
+                )
+                handle = self._take_tx() if undo else None
+                error = self._commit_interrupted(tx_rules, exc)
+            if undo:
+                self._end_on_broker(handle, commit=False, received=received, quiet=True)
+            raise error from None
         except TransactionRolledBackError:
             raise  # a refused send of the transaction: rolled back already
         except RemoteError as exc:
@@ -1362,31 +1371,34 @@ class Session:
             tx_rules.transaction_ended()
             self._tx = None
 
-    def _commit_interrupted(self, tx_rules: TransactedAckRules, exc: BaseException | None) -> None:
-        """Under the lock: end a commit that got no answer and raise what may have happened:
-        rolled back (never written), outcome unknown, or, once the connection is lost for
-        good, DisconnectedError (F2) saying which of the two."""
+    def _commit_interrupted(
+        self, tx_rules: TransactedAckRules, exc: BaseException | None
+    ) -> HaFailoverError:
+        """Under the lock: end a commit that got no answer; return the error that says what
+        may have happened: rolled back (never written), outcome unknown, or, once the
+        connection is lost for good, DisconnectedError (F2) saying which of the two."""
         fate = tx_rules.transaction.commit_interrupted()
         tx_rules.transaction_ended()
         self._tx = None
         rolled_back = fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+        timed_out = isinstance(exc, CallTimeoutError)
         if isinstance(exc, DisconnectedError):
             outcome = (
                 "the transaction was rolled back"
                 if rolled_back
                 else "the commit was sent and may or may not have happened"
             )
-            raise DisconnectedError(f"{exc}; {outcome}") from None
+            return DisconnectedError(f"{exc}; {outcome}")
         if rolled_back:
-            raise TransactionRolledBackError(
-                "the connection was lost before the commit reached the broker; "
-                "the transaction was rolled back"
-            ) from None
-        why = "timed out" if isinstance(exc, CallTimeoutError) else "its connection was lost"
-        raise TransactionOutcomeUnknownError(
+            why = "timed out" if timed_out else "lost its connection"
+            return TransactionRolledBackError(
+                f"the commit {why} before it reached the broker; the transaction was rolled back"
+            )
+        why = "timed out" if timed_out else "its connection was lost"
+        return TransactionOutcomeUnknownError(
             f"the commit was sent but {why} before the broker answered; it may or may "
             "not have happened (retry with the same duplicate ids to be safe)"
-        ) from None
+        )
 
     def rollback(self) -> None:
         """Roll the transaction back; always succeeds and cleans the session (F9)."""

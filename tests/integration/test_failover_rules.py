@@ -234,6 +234,35 @@ def test_f2_f3_a_commit_whose_answer_is_lost_for_good_says_what_may_have_happene
         assert left == [0]  # the broker committed what the client could not confirm
 
 
+def test_f3_a_commit_that_times_out_before_it_is_written_rolls_back_on_the_broker(
+    pair: BrokerPair,
+) -> None:
+    """AMQP settles a transaction's acknowledges before writing the discharge. A broker that
+    is slow (paused shorter than the heartbeat) past call_timeout: commit() says rolled back
+    and rolls the broker's transaction back too, so the batch comes again on this very
+    connection, with no failover."""
+    url = url_for(pair, "amqp", heartbeat="5s", call_timeout="500ms")
+    _fill(url, "queue://f3slow", 5)
+    with hafailover.connect(url) as connection:
+        session = connection.create_session(AckMode.SESSION_TRANSACTED)
+        consumer = session.create_consumer("queue://f3slow")
+        connection.start()
+        assert all(consumer.receive(5) is not None for _ in range(5))
+        pair.pause(pair.live)
+        try:
+            with pytest.raises(TransactionRolledBackError, match="timed out"):
+                session.commit()
+        finally:
+            pair.resume(pair.live)
+        again = []
+        while len(again) < 5 and (message := consumer.receive(10)) is not None:
+            again.append(message)
+        assert sorted(seqs(again)) == [0, 1, 2, 3, 4]
+        session.commit()
+        assert connection.statistics().failovers == 0
+    assert drain(url, "queue://f3slow") == []
+
+
 def test_f5_consumers_and_temporary_queues_are_recreated(pair: BrokerPair, protocol: str) -> None:
     """F5: after a reconnect to the backup, consumers receive again and a temporary queue
     keeps its name."""
