@@ -1256,6 +1256,8 @@ class Session:
             except HaFailoverError as exc:
                 connection._fail_locked(token, AcknowledgeFailedError(f"acknowledge failed: {exc}"))
                 connection._io_failed(link, exc)
+                # Given up: if a reattach brings them again, they are delivered again.
+                self._forget_seen(decision.tags)
         completion.result()
 
     def recover(self) -> None:
@@ -1273,6 +1275,13 @@ class Session:
     def _recover_locked(self, decision: AckDecision) -> None:
         for consumer in self._consumers.values():
             consumer._drop_buffer(give_back=True)
+
+    def _forget_seen(self, tags: tuple[str, ...]) -> None:
+        """Under the lock: deliveries whose acknowledge was given up may come again after a
+        reattach (the broker still holds them); let them through when they do."""
+        for consumer in self._consumers.values():
+            for tag in tags:
+                consumer._seen.pop(tag, None)
 
     def _give_back(self, tags: tuple[str, ...]) -> None:
         """Under the lock: NACK deliveries so the broker redelivers them."""
@@ -1999,6 +2008,8 @@ class Consumer:
             if decision.action is AckAction.SEND:
                 link = connection._link
                 if link is None or not connection._machine.is_up:
+                    # Given up: if a reattach brings it again, it is delivered again.
+                    session._forget_seen(decision.tags)
                     if session.ack_mode is AckMode.DUPS_OK:
                         return  # F7: silent; the broker may deliver it again
                     raise AcknowledgeFailedError(
@@ -2022,6 +2033,7 @@ class Consumer:
                         link.acknowledge(subscription, tag, tx=None, token=token)
                     except HaFailoverError as exc:
                         connection._io_failed(link, exc)
+                        session._forget_seen(decision.tags)
                         if session.ack_mode is AckMode.DUPS_OK:
                             return  # F7: silent
                         raise AcknowledgeFailedError(

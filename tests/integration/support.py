@@ -77,6 +77,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._closed = False
         self._muted = threading.Event()
+        self.refusing = False  # set: new connections are closed at once (the broker is away)
         self.connections = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -86,7 +87,7 @@ class TcpProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
-            if self._muted.is_set():
+            if self._muted.is_set() or self.refusing:
                 client.close()
                 continue
             try:

@@ -14,7 +14,14 @@ import time
 import pytest
 
 import hafailover
-from hafailover import AckMode, ErrorCode, FailoverNotice, HaFailoverError
+from hafailover import (
+    AckMode,
+    AcknowledgeFailedError,
+    ErrorCode,
+    FailoverNotice,
+    HaFailoverError,
+    Message,
+)
 from reference_broker import BrokerPair
 
 from .support import drain, proxy, seqs, single_url, url_for, wait_until
@@ -77,6 +84,44 @@ def test_f4_reattach_keeps_consumers_and_unacknowledged_messages(pair: BrokerPai
             received = seqs([m for m in first + rest if m is not None])
             assert sorted(received) == list(range(20))
     assert drain(url_for(pair, "stomp"), "queue://f4c") == []
+
+
+def test_f4_f6_an_acknowledge_given_up_during_a_reattach_comes_again(pair: BrokerPair) -> None:
+    """F4 + F6 (STOMP): the connection drops while a listener runs, so its automatic
+    acknowledge cannot be sent (the exception listener hears that the message may come
+    again). The reattached live sends it again: it is delivered again, and the consumer
+    (one message of prefetch) does not stall."""
+    with proxy(pair.live.stomp_port) as cut:
+        url = single_url("stomp", "127.0.0.1", cut.port, pair, **OPTIONS)
+        heard: list[HaFailoverError] = []
+        got: list[int] = []
+        with hafailover.connect(url, exception_listener=heard.append) as connection:
+            producer = connection.create_session().create_producer("queue://f4auto")
+            producer.send("m", headers={"seq": 0})
+            session = connection.create_session(AckMode.AUTO)
+            consumer = session.create_consumer("queue://f4auto", prefetch=1)
+
+            def listener(message: Message) -> None:
+                got.extend(seqs([message]))
+                if len(got) == 1:
+                    cut.refusing = True
+                    cut.cut()
+                    wait_until(lambda: connection.state == "failing over", 10, "the drop")
+
+            consumer.set_message_listener(listener)
+            connection.start()
+            wait_until(
+                lambda: any(isinstance(h, AcknowledgeFailedError) for h in heard),
+                10,
+                "the acknowledge to be given up",
+            )
+            cut.refusing = False
+            wait_until(lambda: connection.statistics().reattached == 1, 10, "the reattach")
+            for seq in range(1, 4):
+                producer.send("m", headers={"seq": seq})
+            wait_until(lambda: set(got) == {0, 1, 2, 3}, 10, "every message")
+            assert got[:2] == [0, 0]  # delivered again, as the exception listener said
+    assert drain(url_for(pair, "stomp"), "queue://f4auto") == []
 
 
 def test_f4_transaction_survives_a_reattach(pair: BrokerPair) -> None:
