@@ -1161,9 +1161,15 @@ class Session:
             except UnblockedError:
                 # A failover caught the subscription; the recreation subscribed it again.
                 with connection._cond:
-                    if consumer._closed or consumer._subscribed is completion:
-                        raise
-                continue
+                    given_up = consumer._closed or consumer._subscribed is completion
+                if not given_up:
+                    continue
+                consumer.close()
+                raise
+            except BaseException:
+                # Nobody gets this consumer: its subscription must not hold messages.
+                consumer.close()
+                raise
             return consumer
 
     def create_browser(self, queue: str | Destination) -> Browser:
@@ -1961,6 +1967,9 @@ class Consumer:
             finally:
                 self.session.connection._cond.acquire()
             return
+        # Its place in the confirmation window: a reattach whose server got the SUBSCRIBE
+        # completes it even when the receipt was lost with the connection.
+        connection._pending[token].command_id = connection._window.next_id if link.windowed else -1
         link.subscribe(
             self.subscription,
             self.destination,

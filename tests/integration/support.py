@@ -125,6 +125,9 @@ class TcpProxy:
     def mute(self) -> None:
         self._muted.set()
 
+    def unmute(self) -> None:
+        self._muted.clear()
+
     def close(self) -> None:
         self._closed = True
         self._server.close()

@@ -124,6 +124,40 @@ def test_f4_f6_an_acknowledge_given_up_during_a_reattach_comes_again(pair: Broke
     assert drain(url_for(pair, "stomp"), "queue://f4auto") == []
 
 
+def test_f4_a_subscription_whose_receipt_was_lost_is_completed_by_the_reattach(
+    pair: BrokerPair,
+) -> None:
+    """F4 (STOMP): the live gets a SUBSCRIBE, its RECEIPT is lost with the connection. The
+    reattach says the live had it: create_consumer() returns (no timeout) and the consumer
+    gets its messages."""
+    with proxy(pair.live.stomp_port) as cut:
+        url = single_url("stomp", "127.0.0.1", cut.port, pair, **OPTIONS, call_timeout="30s")
+        with hafailover.connect(url) as connection:
+            producer = connection.create_session().create_producer("queue://f4sub")
+            for seq in range(5):
+                producer.send("m", headers={"seq": seq})
+            session = connection.create_session(AckMode.CLIENT)
+            connection.start()
+            created: list[object] = []
+            cut.mute()
+            creator = threading.Thread(
+                target=lambda: created.append(session.create_consumer("queue://f4sub"))
+            )
+            creator.start()
+            time.sleep(0.3)  # the SUBSCRIBE reaches the live; its RECEIPT is dropped
+            cut.unmute()
+            cut.cut()
+            creator.join(15)
+            assert created, "create_consumer() still waits for a receipt the reattach settled"
+            assert connection.statistics().reattached == 1
+            consumer = created[0]
+            assert isinstance(consumer, hafailover.Consumer)
+            received = [consumer.receive(5) for _ in range(5)]
+            assert sorted(seqs([m for m in received if m is not None])) == list(range(5))
+            session.acknowledge()
+    assert drain(url_for(pair, "stomp"), "queue://f4sub") == []
+
+
 def test_f4_transaction_survives_a_reattach(pair: BrokerPair) -> None:
     """F4 with F9: a transaction whose commands all reached the live stays valid after a
     reattach and commits (the table in tx/state.py: DIRTY, reattached, nothing lost)."""
