@@ -33,7 +33,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import attrs
 
@@ -96,7 +96,7 @@ from hafailover.failover import (
 from hafailover.message import Message, PropertyValue
 from hafailover.report import FailoverReport, SessionFailover
 from hafailover.schedule import Attempt, AttemptsExhausted, ReconnectCancelled, ReconnectSchedule
-from hafailover.tx.state import CommitAction, TxPhase
+from hafailover.tx.state import CommitAction, CommitDecision, TxPhase
 from hafailover.url import FailoverPolicy, parse_url
 from hafailover.window import ConfirmationWindow, ReattachImpossibleError
 
@@ -1289,6 +1289,16 @@ class Session:
             for tag in tags:
                 consumer._seen.pop(tag, None)
 
+    def _drop_buffered(self, tags: tuple[str, ...]) -> None:
+        """Under the lock: forget buffered copies of these deliveries; they stay seen, so a
+        copy still on its way is dropped too."""
+        dropped = set(tags)
+        for consumer in self._consumers.values():
+            kept = [entry for entry in consumer._buffer if entry[1] not in dropped]
+            if len(kept) != len(consumer._buffer):
+                consumer._buffer.clear()
+                consumer._buffer.extend(kept)
+
     def _give_back(self, tags: tuple[str, ...]) -> None:
         """Under the lock: NACK deliveries so the broker redelivers them."""
         connection = self.connection
@@ -1333,9 +1343,11 @@ class Session:
             stale = handle is not None and self._tx_link != getattr(
                 connection._link, "serial", None
             )
-            if transaction.phase is not TxPhase.COMMITTING:
-                # A failover applied since the decision caught the commit: it decided.
-                raise self._commit_interrupted(tx_rules, None)
+            caught = transaction.phase is not TxPhase.COMMITTING
+        if caught:
+            # A failover applied since the decision caught the commit: it decided.
+            self._end_interrupted_commit(tx_rules, None, received)
+        with connection._cond:
             if (handle is None and not received) or stale:
                 transaction.commit_finished()
                 tx_rules.transaction_ended()
@@ -1362,17 +1374,7 @@ class Session:
             # No answer came: the connection was lost (failed over or not, yet or for good)
             # or the call timed out. Only whether the commit was written says what may have
             # happened; never report as rolled back a commit the broker may have done.
-            with connection._cond:
-                # Timed out before the commit was written, on a link that may live on: the
-                # broker's transaction is rolled back too, or it keeps the batch.
-                undo = isinstance(exc, CallTimeoutError) and (
-                    transaction.phase is TxPhase.COMMITTING
-                )
-                handle = self._take_tx() if undo else None
-                error = self._commit_interrupted(tx_rules, exc)
-            if undo:
-                self._end_on_broker(handle, commit=False, received=received, quiet=True)
-            raise error from None
+            self._end_interrupted_commit(tx_rules, exc, received)
         except TransactionRolledBackError:
             raise  # a refused send of the transaction: rolled back already
         except RemoteError as exc:
@@ -1386,15 +1388,34 @@ class Session:
             tx_rules.transaction_ended()
             self._tx = None
 
-    def _commit_interrupted(
-        self, tx_rules: TransactedAckRules, exc: BaseException | None
-    ) -> HaFailoverError:
-        """Under the lock: end a commit that got no answer; return the error that says what
-        may have happened: rolled back (never written), outcome unknown, or, once the
-        connection is lost for good, DisconnectedError (F2) saying which of the two."""
-        fate = tx_rules.transaction.commit_interrupted()
-        tx_rules.transaction_ended()
-        self._tx = None
+    def _end_interrupted_commit(
+        self, tx_rules: TransactedAckRules, exc: BaseException | None, received: tuple[str, ...]
+    ) -> NoReturn:
+        """End a commit that got no answer and raise what may have happened. A commit never
+        written on a link that lives on (it timed out, or a reattach kept the transaction)
+        is rolled back on the broker too, or the broker keeps its batch."""
+        transaction = tx_rules.transaction
+        with self.connection._cond:
+            timed_out = isinstance(exc, CallTimeoutError)
+            unwritten = transaction.phase is TxPhase.COMMITTING
+            fate = transaction.commit_interrupted()
+            undo = (timed_out and unwritten) or fate.rollback_on_broker
+            handle = self._take_tx() if undo else None
+            error = self._interrupted_error(fate, exc)
+            tx_rules.transaction_ended()
+            self._tx = None
+            if undo:
+                # Given back below: the broker delivers them anew, under new ids. A copy a
+                # reattach resent under the old ids is stale: never hand it out.
+                self._drop_buffered(received)
+        if undo:
+            self._end_on_broker(handle, commit=False, received=received, quiet=True)
+        raise error from None
+
+    @staticmethod
+    def _interrupted_error(fate: CommitDecision, exc: BaseException | None) -> HaFailoverError:
+        """What an interrupted commit raises: rolled back (never written), outcome unknown,
+        or, once the connection is lost for good, DisconnectedError (F2) saying which."""
         rolled_back = fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
         timed_out = isinstance(exc, CallTimeoutError)
         if isinstance(exc, DisconnectedError):

@@ -21,6 +21,7 @@ from hafailover import (
     FailoverNotice,
     HaFailoverError,
     Message,
+    TransactionRolledBackError,
 )
 from reference_broker import BrokerPair
 
@@ -156,6 +157,49 @@ def test_f4_a_subscription_whose_receipt_was_lost_is_completed_by_the_reattach(
             assert sorted(seqs([m for m in received if m is not None])) == list(range(5))
             session.acknowledge()
     assert drain(url_for(pair, "stomp"), "queue://f4sub") == []
+
+
+def test_f4_f9_a_commit_called_while_reattaching_rolls_back_and_the_batch_comes_again(
+    pair: BrokerPair,
+) -> None:
+    """F4 + F9 (STOMP): commit() called while failing over waits; the reattach keeps the
+    transaction but the commit was never written, so it is rolled back, on the live too,
+    and the batch is delivered again for the replay, on the same connection."""
+    with proxy(pair.live.stomp_port) as cut:
+        url = single_url("stomp", "127.0.0.1", cut.port, pair, **OPTIONS)
+        with hafailover.connect(url) as connection:
+            producer = connection.create_session().create_producer("queue://f4txw")
+            for seq in range(5):
+                producer.send("m", headers={"seq": seq})
+            session = connection.create_session(AckMode.SESSION_TRANSACTED)
+            consumer = session.create_consumer("queue://f4txw")
+            connection.start()
+            assert all(consumer.receive(5) is not None for _ in range(5))
+            cut.refusing = True
+            cut.cut()
+            wait_until(lambda: connection.state == "failing over", 10, "the drop")
+            outcome: list[BaseException | None] = []
+
+            def commit() -> None:
+                try:
+                    session.commit()
+                    outcome.append(None)
+                except HaFailoverError as exc:
+                    outcome.append(exc)
+
+            committer = threading.Thread(target=commit)
+            committer.start()
+            time.sleep(0.3)
+            cut.refusing = False
+            committer.join(20)
+            assert len(outcome) == 1 and isinstance(outcome[0], TransactionRolledBackError)
+            assert connection.statistics().reattached == 1
+            again = []
+            while len(again) < 5 and (message := consumer.receive(10)) is not None:
+                again.append(message)
+            assert sorted(seqs(again)) == list(range(5))
+            session.commit()
+    assert drain(url_for(pair, "stomp"), "queue://f4txw") == []
 
 
 def test_f4_transaction_survives_a_reattach(pair: BrokerPair) -> None:
