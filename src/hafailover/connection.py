@@ -305,6 +305,10 @@ class Connection:
         self._window: ConfirmationWindow[Any] = ConfirmationWindow(policy.confirmation_window_size)
         self._link: StompLink | AmqpLink | None = None
         self._link_dead = False  # the link being prepared by a failover died
+        # The link a connection attempt is opening, and what it delivered before it became
+        # the connection's (a reattached broker resends deliveries right after CONNECTED).
+        self._opening: StompLink | AmqpLink | None = None
+        self._early: list[tuple[str, str, Message]] = []
         self._session_token: str | None = None  # the broker's session id, for reattach
         self._pending: dict[int, _Pending] = {}
         self._unblock: set[int] = set()  # calls a reconnect releases with UNBLOCKED (F3)
@@ -470,7 +474,7 @@ class Connection:
     def _attempt(self, broker: Any, number: int, *, initial: bool) -> None:
         """One connection attempt: open, then reattach or recreate; raise if any step fails."""
         self._attempts = number
-        link = make_link(self, self.policy, self._window)
+        link = self._make_opening_link()
         resume = None if initial else self._session_token
         try:
             opened = link.open(broker, resume=resume)
@@ -478,7 +482,7 @@ class Connection:
                 # Reattach would need transacted commands the broker never received: end
                 # that session (its transactions roll back) and start a new one instead.
                 link.close()
-                link = make_link(self, self.policy, self._window)
+                link = self._make_opening_link()
                 opened = link.open(broker, resume=None)
             self._prepare(link, opened, initial=initial)
         except BaseException:
@@ -486,6 +490,13 @@ class Connection:
                 link.abort()
             raise
         log.debug("connected to %s (resumed=%s)", broker.redacted(), opened.resumed)
+
+    def _make_opening_link(self) -> StompLink | AmqpLink:
+        link = make_link(self, self.policy, self._window)
+        with self._cond:
+            self._opening = link
+            self._early = []
+        return link
 
     def _can_reattach(self, opened: Opened) -> bool:
         with self._cond:
@@ -519,6 +530,7 @@ class Connection:
                 self._session_token = opened.session_id
             if initial:
                 self._window.reconnect()
+                self._take_early_deliveries(link)
                 self._apply(self._machine.handle(Connected(opened.broker, resumed=False)))
                 return
             self._session_parts = {}
@@ -529,6 +541,7 @@ class Connection:
             else:
                 resumed_ok = False
                 recreate = self._reset_sessions_for_reconnect()
+            self._take_early_deliveries(link)
         if not resumed_ok:
             self._recreate(link, recreate)
         with self._cond:
@@ -816,17 +829,32 @@ class Connection:
     def link_message(self, link: Any, subscription: str, tag: str, message: Message) -> None:
         with self._cond:
             if link is not self._link:
-                return  # a late delivery of a link replaced by a failover
-            browser = self._browsing.get(subscription)
-            if browser is not None:
-                browser._buffer.append(message)
-                self._cond.notify_all()
+                if link is self._opening:
+                    # Before the attempt made it the connection's: kept for _prepare.
+                    self._early.append((subscription, tag, message))
+                return  # else a late delivery of a link replaced by a failover
+            self._route_message(subscription, tag, message)
+
+    def _take_early_deliveries(self, link: StompLink | AmqpLink) -> None:
+        """Under the lock, once ``link`` is the connection's and the failover rules are
+        applied: route what it delivered while it was still being opened."""
+        early = self._early if link is self._opening else []
+        self._opening, self._early = None, []
+        for subscription, tag, message in early:
+            self._route_message(subscription, tag, message)
+
+    def _route_message(self, subscription: str, tag: str, message: Message) -> None:
+        """Under the lock: a delivery of the current link to its browser or consumer."""
+        browser = self._browsing.get(subscription)
+        if browser is not None:
+            browser._buffer.append(message)
+            self._cond.notify_all()
+            return
+        for session in self._sessions.values():
+            consumer = session._by_subscription.get(subscription)
+            if consumer is not None:
+                consumer._arrived(tag, message)
                 return
-            for session in self._sessions.values():
-                consumer = session._by_subscription.get(subscription)
-                if consumer is not None:
-                    consumer._arrived(tag, message)
-                    return
 
     def link_completed(self, link: Any, token: int, error: RemoteError | None) -> None:
         with self._cond:

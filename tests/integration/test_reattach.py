@@ -202,6 +202,41 @@ def test_f4_f9_a_commit_called_while_reattaching_rolls_back_and_the_batch_comes_
     assert drain(url_for(pair, "stomp"), "queue://f4txw") == []
 
 
+def test_f4_deliveries_the_live_resends_at_once_after_a_reattach_arrive(
+    pair: BrokerPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F4 (STOMP): deliveries lost with the old socket are resent by the live right after
+    CONNECTED, possibly before the client has made the new link its own (widened here: the
+    client pauses before taking it). They reach the consumer all the same."""
+    real_prepare = hafailover.Connection._prepare
+
+    def slow_prepare(self: hafailover.Connection, *args: object, **kwargs: object) -> None:
+        if not kwargs.get("initial"):
+            time.sleep(0.3)  # the resends arrive meanwhile
+        real_prepare(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hafailover.Connection, "_prepare", slow_prepare)
+    with proxy(pair.live.stomp_port) as cut:
+        url = single_url("stomp", "127.0.0.1", cut.port, pair, **OPTIONS)
+        with hafailover.connect(url) as connection:
+            session = connection.create_session(AckMode.CLIENT)
+            consumer = session.create_consumer("queue://f4early", prefetch=10)
+            connection.start()
+            cut.mute()  # what the live delivers from now on is lost with this socket
+            with hafailover.connect(url_for(pair, "stomp")) as other:
+                producer = other.create_session().create_producer("queue://f4early")
+                for seq in range(3):
+                    producer.send("m", headers={"seq": seq})
+            time.sleep(0.3)
+            cut.unmute()
+            cut.cut()
+            received = [consumer.receive(10) for _ in range(3)]
+            assert sorted(seqs([m for m in received if m is not None])) == [0, 1, 2]
+            assert connection.statistics().reattached == 1
+            session.acknowledge()
+    assert drain(url_for(pair, "stomp"), "queue://f4early") == []
+
+
 def test_f4_transaction_survives_a_reattach(pair: BrokerPair) -> None:
     """F4 with F9: a transaction whose commands all reached the live stays valid after a
     reattach and commits (the table in tx/state.py: DIRTY, reattached, nothing lost)."""
