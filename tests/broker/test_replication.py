@@ -64,7 +64,9 @@ class Live:
         self,
         directory: Path,
         *,
-        timeout: float = 2.0,
+        # Scripted backups send no PING: well above the tests' own pauses, so that a slow
+        # machine never ends a link (and degrades the live) halfway through a test.
+        timeout: float = 10.0,
         on_handover: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.journal = Journal.open(directory, sync=SyncPolicy.never())
