@@ -40,7 +40,7 @@ from hafailover.message import Message
 from hafailover.url import BrokerAddress, FailoverPolicy
 from hafailover.window import ConfirmationWindow
 
-__all__ = ["AmqpLink", "Link", "LinkEvents", "StompLink", "make_link"]
+__all__ = ["AmqpLink", "Link", "LinkEvents", "LinkFactory", "StompLink", "make_link"]
 
 # A STOMP receipt the driver waits for carries its token after this prefix.
 _TOKEN_PREFIX: Final = "hafailover-call-"  # noqa: S105 - a receipt prefix, not a secret
@@ -63,10 +63,20 @@ class LinkEvents(Protocol):
 
 
 class Link(Protocol):
-    """One open connection to one broker."""
+    """One open connection to one broker.
+
+    What a link can do is said by its capabilities, never by its class: the driver asks
+    ``windowed`` (frames numbered for the confirmation window and receipts in frame order,
+    so one receipt confirms every frame before it, and ``sync`` may be called),
+    ``calls_block`` (subscribe, browse, begin and end wait for the broker: call them without
+    the driver's lock) and ``settles_transacted_work`` (the broker settles each transacted
+    transfer and acknowledge, and a commit must wait for those settlements)."""
 
     broker: BrokerAddress
     serial: int
+    windowed: bool
+    calls_block: bool
+    settles_transacted_work: bool
 
     def open(self, broker: BrokerAddress, *, resume: str | None) -> Opened:
         """Connect and log in (blocking)."""
@@ -123,6 +133,11 @@ class Link(Protocol):
         """Write a command kept by the confirmation window again (reattach)."""
         ...
 
+    def sync(self, token: int) -> None:
+        """Windowed links only: a frame that asks for nothing but a receipt, which then
+        confirms every frame written before it."""
+        ...
+
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
@@ -145,6 +160,8 @@ class StompLink:
         self.policy = policy
         self.window = window
         self.windowed = False  # the broker agreed to the reattach extension
+        self.calls_block = False
+        self.settles_transacted_work = False
         self._tx_names = itertools.count(1)
         self._transport = StompTransport(
             _StompEvents(self),
@@ -327,6 +344,11 @@ class AmqpLink:
         self.events = events
         self.policy = policy
         self.windowed = False  # no reattach extension on AMQP: every failover reconnects
+        # attach, declare and discharge wait for the broker's answer
+        self.calls_block = True
+        # the broker settles transactional transfers and dispositions; a discharge must not
+        # overtake them
+        self.settles_transacted_work = True
         self._transport = AmqpTransport(
             _AmqpEvents(self),
             heartbeat=policy.heartbeat,
@@ -419,6 +441,9 @@ class AmqpLink:
     def replay(self, payload: object) -> None:
         raise NotConnectedError("AMQP links have no confirmation window to replay")
 
+    def sync(self, token: int) -> None:
+        raise NotConnectedError("AMQP links confirm each call on its own: nothing to sync")
+
     def close(self) -> None:
         self._transport.close()
 
@@ -454,11 +479,14 @@ class _AmqpEvents:
         self._events.link_browse_end(self._link, subscription)
 
 
+LinkFactory = Callable[[LinkEvents, FailoverPolicy, ConfirmationWindow[Any]], Link]
+
+
 def make_link(
     events: LinkEvents,
     policy: FailoverPolicy,
     window: ConfirmationWindow[Any],
-) -> StompLink | AmqpLink:
+) -> Link:
     """A new, unopened link for the policy's protocol."""
     if policy.brokers[0].scheme.startswith("stomp"):
         return StompLink(events, policy, window)

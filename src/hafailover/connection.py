@@ -37,7 +37,7 @@ from typing import Any, Final, NoReturn
 
 import attrs
 
-from hafailover._links import AmqpLink, StompLink, make_link
+from hafailover._links import Link, LinkFactory, make_link
 from hafailover.ack_modes import (
     AckAction,
     AckDecision,
@@ -265,11 +265,14 @@ def connect(
     user: str | None = None,
     password: str | None = None,
     exception_listener: Callable[[HaFailoverError], None] | None = None,
+    link_factory: LinkFactory = make_link,
 ) -> Connection:
     """Open a connection from a URL (``failover:(stomp://h1:61613,...)?options``, DESIGN 3).
 
     Blocks until the first connection succeeds or ``initial_connect_attempts`` are used up
-    (F12). ``user``/``password`` apply to every broker that does not name its own."""
+    (F12). ``user``/``password`` apply to every broker that does not name its own.
+    ``link_factory`` makes the link to one broker (the URL's protocol by default); the
+    driver's tests give a scripted one."""
     policy = url if isinstance(url, FailoverPolicy) else parse_url(url)
     if user is not None or password is not None:
         policy = attrs.evolve(
@@ -283,7 +286,9 @@ def connect(
                 for b in policy.brokers
             ),
         )
-    connection = Connection(policy, exception_listener=exception_listener)
+    connection = Connection(
+        policy, exception_listener=exception_listener, link_factory=link_factory
+    )
     connection._open()
     return connection
 
@@ -297,17 +302,19 @@ class Connection:
         *,
         exception_listener: Callable[[HaFailoverError], None] | None = None,
         rng: random.Random | None = None,
+        link_factory: LinkFactory = make_link,
     ) -> None:
         self.policy = policy
+        self._link_factory = link_factory
         self._cond = threading.Condition(threading.RLock())
         self._machine = FailoverMachine(reconnect_enabled=policy.reconnect_attempts != 0)
         self._schedule = ReconnectSchedule(policy, rng=rng)
         self._window: ConfirmationWindow[Any] = ConfirmationWindow(policy.confirmation_window_size)
-        self._link: StompLink | AmqpLink | None = None
+        self._link: Link | None = None
         self._link_dead = False  # the link being prepared by a failover died
         # The link a connection attempt is opening, and what it delivered before it became
         # the connection's (a reattached broker resends deliveries right after CONNECTED).
-        self._opening: StompLink | AmqpLink | None = None
+        self._opening: Link | None = None
         self._early: list[tuple[str, str, Message]] = []
         self._session_token: str | None = None  # the broker's session id, for reattach
         self._pending: dict[int, _Pending] = {}
@@ -491,8 +498,8 @@ class Connection:
             raise
         log.debug("connected to %s (resumed=%s)", broker.redacted(), opened.resumed)
 
-    def _make_opening_link(self) -> StompLink | AmqpLink:
-        link = make_link(self, self.policy, self._window)
+    def _make_opening_link(self) -> Link:
+        link = self._link_factory(self, self.policy, self._window)
         with self._cond:
             self._opening = link
             self._early = []
@@ -516,7 +523,7 @@ class Connection:
         if self._cancel.wait(seconds):
             raise ReconnectCancelled()
 
-    def _prepare(self, link: StompLink | AmqpLink, opened: Opened, *, initial: bool) -> None:
+    def _prepare(self, link: Link, opened: Opened, *, initial: bool) -> None:
         """Make ``link`` the connection's and bring every session onto it."""
         with self._cond:
             if self._closing:
@@ -549,7 +556,7 @@ class Connection:
                 raise NotConnectedError(f"{opened.broker.redacted()} was lost during failover")
             self._finish_failover(opened, resumed=resumed_ok)
 
-    def _reattach(self, link: StompLink | AmqpLink, opened: Opened) -> None:
+    def _reattach(self, link: Link, opened: Opened) -> None:
         """Under the lock: replay what the broker never received (F4)."""
         last = opened.last_received
         try:
@@ -655,7 +662,7 @@ class Connection:
             temporary.extend(session._temporary)
         return _Recreate(tuple(subscriptions), tuple(temporary), tuple(resends))
 
-    def _recreate(self, link: StompLink | AmqpLink, plan: _Recreate) -> None:
+    def _recreate(self, link: Link, plan: _Recreate) -> None:
         """Outside the lock (AMQP blocks): temporary queues, subscriptions, then resends."""
         for destination in plan.temporary:
             link.temporary_queue(destination)
@@ -835,7 +842,7 @@ class Connection:
                 return  # else a late delivery of a link replaced by a failover
             self._route_message(subscription, tag, message)
 
-    def _take_early_deliveries(self, link: StompLink | AmqpLink) -> None:
+    def _take_early_deliveries(self, link: Link) -> None:
         """Under the lock, once ``link`` is the connection's and the failover rules are
         applied: route what it delivered while it was still being opened."""
         early = self._early if link is self._opening else []
@@ -932,7 +939,7 @@ class Connection:
         if self._closing:
             raise ConnectionClosedError("the connection is closed")
 
-    def _admit(self, deadline: float | None) -> StompLink | AmqpLink:
+    def _admit(self, deadline: float | None) -> Link:
         """Under the lock: wait while failing over (F1); return the link to use."""
         while True:
             admission, code = self._machine.admit()
@@ -1002,7 +1009,7 @@ class Connection:
         link = self._link
         if self._unreceipted == 0 or link is None or not self._machine.is_up:
             return
-        if not isinstance(link, StompLink):
+        if not link.windowed:
             return
         token = self._register(
             _Pending(_KIND_SYNC, SendCompletion(self, None), None, -1, cumulative=True)
@@ -1051,7 +1058,7 @@ class Connection:
                     budget -= now - last
                 last = now
 
-    def _wait_window_room(self, size: int, deadline: float | None) -> StompLink | AmqpLink:
+    def _wait_window_room(self, size: int, deadline: float | None) -> Link:
         """Under the lock: admission plus window flow control (F4)."""
         while True:
             link = self._admit(deadline)
@@ -1541,8 +1548,8 @@ class Session:
             if commit:
                 for tag in received:
                     ack_token = None
-                    if isinstance(link, AmqpLink):
-                        # AMQP: the discharge must not overtake these dispositions.
+                    if link.settles_transacted_work:
+                        # The discharge must not overtake these dispositions.
                         ack = SendCompletion(connection, None)
                         ack_token = connection._register(_Pending(_KIND_CALL, ack, self, -1))
                         settled.append(ack)
@@ -1554,7 +1561,7 @@ class Session:
                 connection._window.next_id if link.windowed else -1
             )
             self._committing = commit
-            blocking = isinstance(link, AmqpLink)
+            blocking = link.calls_block
             if not blocking:
                 try:
                     link.end(handle, commit=commit, token=token)
@@ -1600,7 +1607,7 @@ class Session:
                 link = connection._admit(deadline)
                 if self._tx is not None and self._tx_link == link.serial:
                     return self._tx
-                if not isinstance(link, AmqpLink):
+                if not link.calls_block:
                     try:
                         self._tx = link.begin()
                     except (NotConnectedError, UnblockedError) as exc:
@@ -1861,8 +1868,8 @@ class Producer:
                     self._outstanding += 1
                     if not link.windowed:
                         connection._unconfirmed_bytes += size
-                elif transacted and isinstance(link, AmqpLink):
-                    # AMQP: the broker settles each transactional transfer; the discharge
+                elif transacted and link.settles_transacted_work:
+                    # The broker settles each transactional transfer; the discharge
                     # must wait for them, or it can overtake transfers still waiting for
                     # a new sender link's credit (and commit without them). The send itself
                     # completes at once, as every transacted send does: commit() waits.
@@ -1981,7 +1988,7 @@ class Consumer:
     def _acknowledged(self) -> bool:
         return self.session.ack_mode is not AckMode.NO_ACKNOWLEDGE
 
-    def _subscribe_on(self, link: StompLink | AmqpLink) -> None:
+    def _subscribe_on(self, link: Link) -> None:
         """Under the lock for STOMP; AMQP's subscribe blocks, so it is called without it.
 
         Once per link: a consumer created during a failover is subscribed either by the
@@ -1995,14 +2002,14 @@ class Consumer:
             self._on_link = 0
             raise
 
-    def _subscribe_now(self, link: StompLink | AmqpLink) -> None:
+    def _subscribe_now(self, link: Link) -> None:
         connection = self.session.connection
         completion = SendCompletion(connection, None)
         token = connection._register(
             _Pending(_KIND_CALL, completion, self.session, -1, consumer=self)
         )
         self._subscribed = completion
-        if isinstance(link, AmqpLink):
+        if link.calls_block:
             self.session.connection._cond.release()
             try:
                 link.subscribe(
@@ -2216,10 +2223,10 @@ class Browser:
             self._ended = self._invalid = False
             self._iterating = True
             connection._browsing[subscription] = self
-            if not isinstance(link, AmqpLink):
+            if not link.calls_block:
                 link.browse(subscription, self.queue)
         try:
-            if isinstance(link, AmqpLink):
+            if link.calls_block:
                 link.browse(subscription, self.queue)
             while True:
                 with connection._cond:
