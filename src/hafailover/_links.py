@@ -23,6 +23,7 @@ from typing import Any, Final, Protocol
 from hafailover.adapters.amqp import AmqpTransaction, AmqpTransport, Outcome
 from hafailover.adapters.base import Opened
 from hafailover.adapters.stomp import (
+    DUPLICATE_ID,
     STOMP_TEMPORARY_PREFIX,
     StompTransport,
     send_headers,
@@ -138,6 +139,11 @@ class Link(Protocol):
         confirms every frame written before it."""
         ...
 
+    def resend(self, payload: object) -> int:
+        """Windowed links only: write a command a previous link's window kept (a send
+        stamped with a duplicate id) as a new command of this one; returns its id."""
+        ...
+
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
@@ -214,7 +220,14 @@ class StompLink:
             headers["transaction"] = str(tx)
         if token is not None:
             headers["receipt"] = f"{_TOKEN_PREFIX}{token}"
-        return self._write("SEND", headers, message.body_bytes, replayable=tx is None)
+        return self._write(
+            "SEND",
+            headers,
+            message.body_bytes,
+            replayable=tx is None,
+            # a copy the broker already has is dropped by its duplicate id (F13)
+            resendable=tx is None and DUPLICATE_ID in headers,
+        )
 
     def subscribe(
         self,
@@ -294,6 +307,11 @@ class StompLink:
         assert isinstance(payload, tuple)
         command, headers, body = payload
         self._transport.write(str(command), headers, bytes(body))
+
+    def resend(self, payload: object) -> int:
+        assert isinstance(payload, tuple)
+        command, headers, body = payload
+        return self._write(str(command), headers, bytes(body), resendable=True)
 
     def close(self) -> None:
         self._transport.close()
@@ -443,6 +461,9 @@ class AmqpLink:
 
     def sync(self, token: int) -> None:
         raise NotConnectedError("AMQP links confirm each call on its own: nothing to sync")
+
+    def resend(self, payload: object) -> int:
+        raise NotConnectedError("AMQP links have no confirmation window to resend from")
 
     def close(self) -> None:
         self._transport.close()

@@ -2,16 +2,33 @@
 
 Theory of operation
 -------------------
-A connection is in one of seven states::
+A connection is in one of eight states::
 
-    CONNECTING --Connected--> CONNECTED --Lost--> FAILING_OVER --Connected(resumed)--> REATTACHED
-        |                                             |      \\--Connected(new)-----> RECONNECTED
-        |                                             |--Exhausted--> FAILED
-        \\--Exhausted--> FAILED         any --CloseRequested--> CLOSED
+    CONNECTING --Connected--> CONNECTED --Lost--> FAILING_OVER --Connected--> RESTORING
+        |                                           ^   |                       |
+        |                                           |   |--Exhausted--> FAILED  |--Restored-->
+        \\--Exhausted--> FAILED                     +---|-------Lost------------+  REATTACHED
+                                                        |                          or RECONNECTED
+                              any --CloseRequested--> CLOSED
 
 REATTACHED and RECONNECTED serve calls exactly like CONNECTED; they only
 remember how the last failover ended. A Lost from any of the three starts a new
 failover (or ends in FAILED when reconnection is off).
+
+A failover's new connection first goes through RESTORING: the ``Connected``
+event carries the sessions core's ``FailoverPlan`` (what becomes of every call
+in flight and every session), and the effect ``ReattachSessions(plan)`` or
+``RecreateSessions(plan)`` tells the driver to carry it out on the new link.
+Calls still wait (F1) until the driver reports ``Restored``; only then are the
+calls the plan gives up released (F3), blocked calls woken and the listener
+told (F10). A link lost while it is being restored sends the machine back to
+FAILING_OVER: that attempt failed and the schedule goes on.
+
+Every ``Lost`` names the link it is about. A loss can be noticed several
+times and in any order (by the reader, by a failed write on an application's
+thread, by a heartbeat, by a timeout): only the first notice about the current
+link counts; notices about a link already replaced are ignored here, in one
+place.
 
 The machine does no I/O. ``handle(event)`` returns the effects the driver must
 carry out, in order; ``admit()`` tells a call that needs the network whether to
@@ -20,9 +37,11 @@ one table; a pair that is not there is a driver bug: the machine moves to the
 sticky FAILED state and raises ``FailoverStateError``.
 
 Effects, in the order they are returned:
-- F3: calls waiting for a broker reply are released with UNBLOCKED after a
-  reconnect; after a reattach the replay completes them, so they keep waiting.
-- F5: sessions are reattached (replay from the window) or recreated.
+- F4, F5: sessions are reattached (replay from the window) or recreated, as
+  the plan says.
+- F3: calls the plan gives up are released with UNBLOCKED once restored
+  (after a reattach only those whose answer can never come: the replay
+  completes the others).
 - F1: calls parked by stop-the-world are woken to re-check ``admit()``.
 - F10: the exception listener hears about every loss exactly once, when its
   outcome is known: FAILOVER (with reattached or not) or DISCONNECT.
@@ -40,6 +59,7 @@ from typing import Final, TypeAlias
 import attrs
 
 from hafailover.errors import ErrorCode, IllegalStateError
+from hafailover.sessions import FailoverPlan
 from hafailover.url import BrokerAddress
 
 __all__ = [
@@ -60,6 +80,7 @@ __all__ = [
     "NotifyListener",
     "ReattachSessions",
     "RecreateSessions",
+    "Restored",
     "StartReconnect",
     "TopologyAnnounced",
     "UnblockPendingCalls",
@@ -71,6 +92,7 @@ class FailoverState(enum.Enum):
     CONNECTING = "connecting"
     CONNECTED = "connected"
     FAILING_OVER = "failing over"
+    RESTORING = "restoring"  # connected again; sessions being reattached or recreated
     REATTACHED = "reattached"
     RECONNECTED = "reconnected"
     FAILED = "failed"
@@ -95,18 +117,27 @@ class Connected:
 
     ``resumed`` is true when the server still held the sessions and agreed to
     a reattach; false for a fresh session (first connect, other server, or the
-    session expired).
+    session expired). ``plan`` is what the sessions core decided for a failover;
+    ``link`` names the new link.
     """
 
     broker: BrokerAddress
     resumed: bool = False
+    plan: FailoverPlan | None = None
+    link: int = 0
 
 
 @attrs.frozen
 class Lost:
-    """The established connection died (socket closed, heartbeat missed, I/O error)."""
+    """A connection died (socket closed, heartbeat missed, I/O error); ``link`` says which."""
 
     reason: str
+    link: int = 0
+
+
+@attrs.frozen
+class Restored:
+    """The driver carried out the failover's plan on the new link."""
 
 
 @attrs.frozen
@@ -129,7 +160,7 @@ class CloseRequested:
     """The application called close()."""
 
 
-Event: TypeAlias = Connected | Lost | Exhausted | TopologyAnnounced | CloseRequested
+Event: TypeAlias = Connected | Lost | Restored | Exhausted | TopologyAnnounced | CloseRequested
 
 
 # --- effects (outputs) --------------------------------------------------------
@@ -157,19 +188,26 @@ class LearnTopology:
 
 @attrs.frozen
 class ReattachSessions:
-    """Replay each session's window after the server's last-received id (F4)."""
+    """Carry out ``plan`` on a server that kept the session: replay the window after
+    its last-received id, settle what it had (F4)."""
+
+    plan: FailoverPlan | None = None
 
 
 @attrs.frozen
 class RecreateSessions:
-    """Recreate sessions, producers, consumers and temporary queues (F5)."""
+    """Carry out ``plan`` on a new session: recreate consumers and temporary queues,
+    resend what carries a duplicate id (F5, F13)."""
+
+    plan: FailoverPlan | None = None
 
 
 @attrs.frozen
 class UnblockPendingCalls:
-    """Release every call waiting for a broker reply with this code (F3)."""
+    """Release the calls ``tokens`` (the plan's, given up) with this code (F3)."""
 
     code: ErrorCode
+    tokens: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -234,7 +272,21 @@ def _first_connected(machine: FailoverMachine, event: Event) -> _Outcome:
     assert isinstance(event, Connected)
     machine.ever_connected = True
     machine.broker = event.broker
+    machine.link = event.link
     return [WakeBlockedCalls()], S.CONNECTED
+
+
+def _stale_or(handler: _Handler) -> _Handler:
+    """A Lost about a link other than the current one changes nothing (F1-F3): the loss
+    of a replaced link was handled when it was first noticed."""
+
+    def handle(machine: FailoverMachine, event: Event) -> _Outcome:
+        assert isinstance(event, Lost)
+        if event.link != machine.link:
+            return [], machine.state
+        return handler(machine, event)
+
+    return handle
 
 
 def _initial_exhausted(machine: FailoverMachine, event: Event) -> _Outcome:
@@ -257,19 +309,34 @@ def _lost_while_up(machine: FailoverMachine, event: Event) -> _Outcome:
 def _failed_over(machine: FailoverMachine, event: Event) -> _Outcome:
     assert isinstance(event, Connected)
     machine.broker = event.broker
-    machine.failovers_completed += 1
+    machine.link = event.link
+    machine.restoring = event
     if event.resumed:
-        return [
-            ReattachSessions(),
-            WakeBlockedCalls(),
-            NotifyListener(ErrorCode.FAILOVER, reattached=True),
-        ], S.REATTACHED
-    return [
-        UnblockPendingCalls(ErrorCode.UNBLOCKED),
-        RecreateSessions(),
+        return [ReattachSessions(event.plan)], S.RESTORING
+    return [RecreateSessions(event.plan)], S.RESTORING
+
+
+def _restored(machine: FailoverMachine, event: Event) -> _Outcome:
+    connected = machine.restoring
+    assert connected is not None
+    machine.restoring = None
+    machine.failovers_completed += 1
+    plan = connected.plan
+    effects: list[Effect] = []
+    if plan is not None and plan.unblock:
+        effects.append(UnblockPendingCalls(ErrorCode.UNBLOCKED, plan.unblock))
+    effects += [
         WakeBlockedCalls(),
-        NotifyListener(ErrorCode.FAILOVER, reattached=False),
-    ], S.RECONNECTED
+        NotifyListener(ErrorCode.FAILOVER, reattached=connected.resumed),
+    ]
+    return effects, S.REATTACHED if connected.resumed else S.RECONNECTED
+
+
+def _lost_while_restoring(machine: FailoverMachine, event: Event) -> _Outcome:
+    # The new link died before its sessions were restored: that attempt failed, and the
+    # reconnect schedule, still running, makes the next one.
+    machine.restoring = None
+    return [], S.FAILING_OVER
 
 
 def _failover_exhausted(machine: FailoverMachine, event: Event) -> _Outcome:
@@ -296,7 +363,7 @@ _TABLE: Final[Mapping[tuple[FailoverState, type], _Handler]] = {
     (S.CONNECTING, Exhausted): _initial_exhausted,
     (S.CONNECTING, TopologyAnnounced): _learn,
     (S.CONNECTING, CloseRequested): _close([CancelReconnect()]),
-    **{(up, Lost): _lost_while_up for up in _UP},
+    **{(up, Lost): _stale_or(_lost_while_up) for up in _UP},
     **{(up, TopologyAnnounced): _learn for up in _UP},
     **{(up, CloseRequested): _close([CloseTransport()]) for up in _UP},
     (S.FAILING_OVER, Connected): _failed_over,
@@ -304,10 +371,16 @@ _TABLE: Final[Mapping[tuple[FailoverState, type], _Handler]] = {
     (S.FAILING_OVER, Exhausted): _failover_exhausted,
     (S.FAILING_OVER, TopologyAnnounced): _learn,
     (S.FAILING_OVER, CloseRequested): _close([CancelReconnect()]),
+    (S.RESTORING, Restored): _restored,
+    (S.RESTORING, Lost): _stale_or(_lost_while_restoring),
+    (S.RESTORING, Exhausted): _failover_exhausted,
+    (S.RESTORING, TopologyAnnounced): _learn,
+    (S.RESTORING, CloseRequested): _close([CancelReconnect(), CloseTransport()]),
     # Terminal states absorb late events; a transport that finished connecting
     # after the end is closed at once.
     **{(end, Connected): _stay([CloseTransport()]) for end in (S.FAILED, S.CLOSED)},
     **{(end, Lost): _stay([]) for end in (S.FAILED, S.CLOSED)},
+    **{(end, Restored): _stay([]) for end in (S.FAILED, S.CLOSED)},
     **{(end, Exhausted): _stay([]) for end in (S.FAILED, S.CLOSED)},
     **{(end, TopologyAnnounced): _stay([]) for end in (S.FAILED, S.CLOSED)},
     (S.FAILED, CloseRequested): lambda machine, event: ([WakeBlockedCalls()], S.CLOSED),
@@ -323,7 +396,9 @@ class FailoverMachine:
         "ever_connected",
         "failovers_completed",
         "failovers_started",
+        "link",
         "reconnect_enabled",
+        "restoring",
         "state",
     )
 
@@ -334,6 +409,8 @@ class FailoverMachine:
         self.broker: BrokerAddress | None = None
         self.failovers_started = 0
         self.failovers_completed = 0
+        self.link = 0  # the current link's serial
+        self.restoring: Connected | None = None  # the connection being restored
 
     @property
     def is_up(self) -> bool:
@@ -356,7 +433,7 @@ class FailoverMachine:
         state = self.state
         if state in _UP:
             return Admission.PROCEED, None
-        if state is FailoverState.FAILING_OVER or state is FailoverState.CONNECTING:
+        if state in (FailoverState.FAILING_OVER, FailoverState.RESTORING, FailoverState.CONNECTING):
             return Admission.WAIT, None
         if state is FailoverState.CLOSED:
             return Admission.RAISE, ErrorCode.CLOSED

@@ -24,11 +24,13 @@ from hafailover.failover import (
     NotifyListener,
     ReattachSessions,
     RecreateSessions,
+    Restored,
     StartReconnect,
     TopologyAnnounced,
     UnblockPendingCalls,
     WakeBlockedCalls,
 )
+from hafailover.sessions import FailoverPlan
 from hafailover.url import BrokerAddress
 
 S = FailoverState
@@ -36,8 +38,11 @@ LIVE = BrokerAddress("stomp", "live", 61613)
 BACKUP = BrokerAddress("stomp", "backup", 61613)
 
 events = st.one_of(
-    st.builds(Connected, st.sampled_from([LIVE, BACKUP]), st.booleans()),
-    st.builds(Lost, st.text(max_size=5)),
+    st.builds(
+        Connected, st.sampled_from([LIVE, BACKUP]), st.booleans(), st.none(), st.integers(0, 2)
+    ),
+    st.builds(Lost, st.text(max_size=5), st.integers(0, 2)),
+    st.just(Restored()),
     st.builds(Exhausted, st.integers(0, 5), st.text(max_size=5)),
     st.builds(TopologyAnnounced, st.just((("backup", 61613),))),
     st.just(CloseRequested()),
@@ -51,8 +56,9 @@ def machine_in(state: FailoverState, *, reconnect: bool = True) -> FailoverMachi
         S.CONNECTING: [],
         S.CONNECTED: [Connected(LIVE)],
         S.FAILING_OVER: [Connected(LIVE), Lost("gone")],
-        S.REATTACHED: [Connected(LIVE), Lost("gone"), Connected(LIVE, resumed=True)],
-        S.RECONNECTED: [Connected(LIVE), Lost("gone"), Connected(BACKUP)],
+        S.RESTORING: [Connected(LIVE), Lost("gone"), Connected(BACKUP)],
+        S.REATTACHED: [Connected(LIVE), Lost("gone"), Connected(LIVE, resumed=True), Restored()],
+        S.RECONNECTED: [Connected(LIVE), Lost("gone"), Connected(BACKUP), Restored()],
         S.FAILED: [Connected(LIVE), Lost("gone"), Exhausted(3, "refused")],
         S.CLOSED: [CloseRequested()],
     }
@@ -87,27 +93,70 @@ def test_f1_calls_wait_while_failing_over() -> None:
     assert m.failovers_started == 1
 
 
-def test_f3_f10_reattach_keeps_waiting_calls_and_tells_listener() -> None:
+def test_f3_f4_f10_reattach_carries_out_the_plan_then_tells_listener() -> None:
     m = machine_in(S.FAILING_OVER)
-    effects = m.handle(Connected(LIVE, resumed=True))
-    assert effects == [
-        ReattachSessions(),
+    plan = FailoverPlan(reattached=True, complete=(3,))
+    assert m.handle(Connected(LIVE, resumed=True, plan=plan, link=2)) == [ReattachSessions(plan)]
+    # F1: calls still wait while the plan is carried out on the new link.
+    assert m.state is S.RESTORING and m.admit() == (Admission.WAIT, None)
+    assert m.handle(Restored()) == [
         WakeBlockedCalls(),
         NotifyListener(ErrorCode.FAILOVER, reattached=True),
     ]
     assert m.state is S.REATTACHED and m.admit() == (Admission.PROCEED, None)
+    assert m.failovers_completed == 1
 
 
-def test_f3_f5_f10_reconnect_unblocks_waiting_calls_then_recreates() -> None:
+def test_f3_f5_f10_reconnect_recreates_then_unblocks_what_the_plan_gave_up() -> None:
     m = machine_in(S.FAILING_OVER)
-    effects = m.handle(Connected(BACKUP))
-    assert effects == [
-        UnblockPendingCalls(ErrorCode.UNBLOCKED),
-        RecreateSessions(),
+    plan = FailoverPlan(reattached=False, resend=(1,), unblock=(2, 4))
+    assert m.handle(Connected(BACKUP, plan=plan, link=2)) == [RecreateSessions(plan)]
+    assert m.state is S.RESTORING and m.failovers_completed == 0
+    assert m.handle(Restored()) == [
+        UnblockPendingCalls(ErrorCode.UNBLOCKED, (2, 4)),
         WakeBlockedCalls(),
         NotifyListener(ErrorCode.FAILOVER, reattached=False),
     ]
     assert m.state is S.RECONNECTED and m.broker == BACKUP and m.failovers_completed == 1
+
+
+def test_a_loss_noticed_several_times_is_one_failover() -> None:
+    """The reader, a failed write on an application's thread and a heartbeat may each
+    report the same loss, in any order: only the first notice about the current link
+    counts."""
+    m = FailoverMachine(reconnect_enabled=True)
+    m.handle(Connected(LIVE, link=1))
+    assert m.handle(Lost("write failed", link=1)) == [StartReconnect()]
+    assert m.handle(Lost("connection closed", link=1)) == []
+    assert m.handle(Lost("heart-beat timeout", link=1)) == []
+    assert m.state is S.FAILING_OVER and m.failovers_started == 1
+
+
+def test_a_late_notice_about_a_replaced_link_changes_nothing() -> None:
+    m = FailoverMachine(reconnect_enabled=True)
+    m.handle(Connected(LIVE, link=1))
+    m.handle(Lost("gone", link=1))
+    m.handle(Connected(BACKUP, plan=FailoverPlan(reattached=False), link=2))
+    assert m.handle(Lost("late reader notice", link=1)) == []
+    assert m.state is S.RESTORING
+    m.handle(Restored())
+    assert m.handle(Lost("late heartbeat", link=1)) == []
+    assert m.state is S.RECONNECTED
+
+
+def test_a_link_lost_while_restored_fails_that_attempt_only() -> None:
+    m = FailoverMachine(reconnect_enabled=True)
+    m.handle(Connected(LIVE, link=1))
+    m.handle(Lost("gone", link=1))
+    m.handle(Connected(BACKUP, plan=FailoverPlan(reattached=False), link=2))
+    # No new reconnect: the schedule running the attempt goes on; nobody is told yet.
+    assert m.handle(Lost("gone too", link=2)) == []
+    assert m.state is S.FAILING_OVER and m.admit() == (Admission.WAIT, None)
+    plan = FailoverPlan(reattached=False, unblock=(7,))
+    assert m.handle(Connected(LIVE, plan=plan, link=3)) == [RecreateSessions(plan)]
+    effects = m.handle(Restored())
+    assert effects[0] == UnblockPendingCalls(ErrorCode.UNBLOCKED, (7,))
+    assert sum(isinstance(e, NotifyListener) for e in effects) == 1
 
 
 def test_f2_exhausted_disconnects_everyone() -> None:
@@ -170,6 +219,12 @@ def test_topology_is_learned_or_ignored_but_never_an_error(state: FailoverState)
 
 
 ILLEGAL = [
+    (S.CONNECTING, Restored()),
+    (S.FAILING_OVER, Restored()),
+    (S.CONNECTED, Restored()),
+    (S.REATTACHED, Restored()),
+    (S.RECONNECTED, Restored()),
+    (S.RESTORING, Connected(LIVE)),
     (S.CONNECTED, Connected(LIVE)),
     (S.REATTACHED, Connected(LIVE)),
     (S.RECONNECTED, Connected(BACKUP, resumed=True)),
@@ -211,12 +266,7 @@ def test_every_state_and_input_is_legal_or_a_clean_error(
         if (
             isinstance(event, Lost)
             and m.state in (S.FAILING_OVER, S.FAILED)
-            and before
-            in (
-                S.CONNECTED,
-                S.REATTACHED,
-                S.RECONNECTED,
-            )
+            and before in (S.CONNECTED, S.REATTACHED, S.RECONNECTED)
         ):
             losses += 1
         # Effects are ordered: waiters are released before the listener hears.
@@ -227,7 +277,7 @@ def test_every_state_and_input_is_legal_or_a_clean_error(
         admission, code = m.admit()
         if m.state in (S.CONNECTED, S.REATTACHED, S.RECONNECTED):
             assert admission is Admission.PROCEED
-        elif m.state in (S.CONNECTING, S.FAILING_OVER):
+        elif m.state in (S.CONNECTING, S.FAILING_OVER, S.RESTORING):
             assert admission is Admission.WAIT
         else:
             assert admission is Admission.RAISE and code is not None
@@ -235,4 +285,4 @@ def test_every_state_and_input_is_legal_or_a_clean_error(
         if before in (S.FAILED, S.CLOSED):
             assert m.state in (S.FAILED, S.CLOSED)
     # F10: the listener never hears more than once per lost connection.
-    assert listener_calls <= losses + (1 if state is S.FAILING_OVER else 0)
+    assert listener_calls <= losses + (1 if state in (S.FAILING_OVER, S.RESTORING) else 0)

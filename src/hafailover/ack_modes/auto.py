@@ -28,6 +28,10 @@ class AutoAckRules(AckRules):
             return self._stale()
         return AckDecision(AckAction.SEND, (delivery.tag,))
 
+    def acknowledge_not_sent(self) -> AckDecision:
+        # The broker will deliver the message again: AUTO says so, DUPS_OK stays silent.
+        return self._stale()
+
     def _stale(self) -> AckDecision:
         return AckDecision(AckAction.RAISE, code=ErrorCode.ACKNOWLEDGE_FAILED)
 

@@ -98,6 +98,11 @@ class AckRules:
         """receive() returned or a listener finished: the automatic acknowledge, if any."""
         return AckDecision(AckAction.NOTHING)
 
+    def acknowledge_not_sent(self) -> AckDecision:
+        """The automatic acknowledge could not be written (the connection was lost or is
+        failing over): what the application hears (F6, F7)."""
+        return AckDecision(AckAction.NOTHING)
+
     def acknowledge(self, delivery: Delivery) -> AckDecision:
         """The application called acknowledge() on a message."""
         self.check_owner(delivery)

@@ -36,8 +36,12 @@ class TransactedAckRules(AckRules):
         """Commit or rollback finished: the next transaction starts empty."""
         self._received.clear()
 
-    def failover(self, *, reattached: bool, lost_work: bool = False) -> FailoverOutcome:
-        doomed = self.transaction.failover(reattached=reattached, lost_work=lost_work)
+    def failover(
+        self, *, reattached: bool, lost_work: bool = False, commit_received: bool | None = None
+    ) -> FailoverOutcome:
+        doomed = self.transaction.failover(
+            reattached=reattached, lost_work=lost_work, commit_received=commit_received
+        )
         if reattached and not doomed:
             return FailoverOutcome(stale=(), dirty=False, discard_prefetched=False)
         if not reattached:

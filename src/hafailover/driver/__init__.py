@@ -1,0 +1,36 @@
+"""The threaded driver: the public API's classes and the only place with threads and locks.
+
+``connection`` holds the lock, the threads and the executor of what the pure core decides;
+``session``, ``producer``, ``consumer`` and ``browser`` are the API's thin classes;
+``completions`` and ``notifier`` are how calls wait and how listeners are told.
+"""
+
+from hafailover.driver.browser import Browser
+from hafailover.driver.completions import SendCompletion
+from hafailover.driver.connection import Connection, connect
+from hafailover.driver.consumer import Consumer
+from hafailover.driver.events import (
+    ConnectionEvent,
+    ConnectionStatistics,
+    FailoverCompleted,
+    FailoverFailed,
+    FailureDetected,
+)
+from hafailover.driver.producer import MAX_MESSAGE_BYTES, Producer
+from hafailover.driver.session import Session
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "Browser",
+    "Connection",
+    "ConnectionEvent",
+    "ConnectionStatistics",
+    "Consumer",
+    "FailoverCompleted",
+    "FailoverFailed",
+    "FailureDetected",
+    "Producer",
+    "SendCompletion",
+    "Session",
+    "connect",
+]

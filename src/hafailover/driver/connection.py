@@ -1,0 +1,830 @@
+"""The threaded driver's connection: the lock, the threads and the executor of effects.
+
+Theory of operation
+-------------------
+A ``Connection`` is one logical connection that outlives any number of broker connections
+("links", ``_links.py``). Two pure parts decide everything: the ``FailoverMachine``
+(``failover.py``: connected, failing over, restoring, failed, closed) and the
+``SessionsCore`` (``sessions.py``: every call waiting for the broker, the confirmation
+window, each session's acknowledge and transaction rules). This module carries out what
+they decide, and is the only place with locks, threads and clocks.
+
+- One condition (``_cond``, over a re-entrant lock) guards the connection's state: the two
+  pure parts, the current link, and every session's and consumer's buffers. Decisions are
+  made under it; STOMP frames are written under it so command ids follow wire order; calls
+  that block on the broker (the links whose ``calls_block`` is set) are made outside it.
+- Stop the world (F1): every call that needs the network first asks ``machine.admit()``
+  and waits on the condition while the connection fails over or is being restored.
+- Any notice of a lost link, from the reader, a heartbeat, or a failed write on an
+  application's thread, is the same event, ``Lost(link)``; the machine counts the first
+  notice about the current link and ignores the rest. The first starts one reconnect
+  thread that runs the ``ReconnectSchedule``.
+- Each attempt opens a link; the sessions core plans the failover (``FailoverPlan``: what
+  to replay, resend, complete and release; what each session's rules did), the machine
+  hands the plan back as ``ReattachSessions``/``RecreateSessions``, this module writes it
+  on the new link, then reports ``Restored``; only then are the calls the plan gave up
+  released (F3), waiting calls woken (F1) and the listener told (F10).
+- Exception listeners and lifecycle events run on one listener thread (``notifier.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+
+from hafailover._links import Link, LinkFactory, make_link
+from hafailover.ack_modes import AckMode
+from hafailover.adapters.base import Opened
+from hafailover.destination import Destination
+from hafailover.driver.completions import Callback, SendCompletion, Waiting
+from hafailover.driver.events import (
+    ConnectionEvent,
+    ConnectionStatistics,
+    FailoverCompleted,
+    FailoverFailed,
+    FailureDetected,
+)
+from hafailover.driver.notifier import Notifier, call_listener
+from hafailover.errors import (
+    AcknowledgeFailedError,
+    CallTimeoutError,
+    ConfigurationError,
+    ConnectionClosedError,
+    DisconnectedError,
+    ErrorCode,
+    FailoverNotice,
+    HaFailoverError,
+    LocalError,
+    NotConnectedError,
+    ProtocolError,
+    SecurityError,
+    StaleAcknowledgeError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
+    UnblockedError,
+)
+from hafailover.failover import (
+    Admission,
+    CancelReconnect,
+    CloseRequested,
+    CloseTransport,
+    Connected,
+    Effect,
+    Exhausted,
+    FailoverMachine,
+    FailoverState,
+    FailPendingCalls,
+    LearnTopology,
+    Lost,
+    NotifyListener,
+    ReattachSessions,
+    RecreateSessions,
+    Restored,
+    StartReconnect,
+    TopologyAnnounced,
+    UnblockPendingCalls,
+    WakeBlockedCalls,
+)
+from hafailover.message import Message
+from hafailover.report import FailoverReport, SessionFailover
+from hafailover.schedule import Attempt, AttemptsExhausted, ReconnectCancelled, ReconnectSchedule
+from hafailover.sessions import CallKind, FailoverPlan, SessionsCore
+from hafailover.url import FailoverPolicy, parse_url
+
+if TYPE_CHECKING:
+    from hafailover.driver.browser import Browser
+    from hafailover.driver.consumer import Consumer
+    from hafailover.driver.producer import Producer
+    from hafailover.driver.session import Session
+
+__all__ = ["Connection", "connect", "error_for"]
+
+# What is done once the lock is released: blocking I/O, a thread to start, or a completion's
+# callback with its completion.
+Deferred = Callable[[], None] | Callback
+
+log = logging.getLogger("hafailover")
+
+_ERRORS_BY_CODE: Final[Mapping[ErrorCode, type[HaFailoverError]]] = {
+    ErrorCode.DISCONNECT: DisconnectedError,
+    ErrorCode.NOT_CONNECTED: NotConnectedError,
+    ErrorCode.UNBLOCKED: UnblockedError,
+    ErrorCode.CLOSED: ConnectionClosedError,
+    ErrorCode.TRANSACTION_ROLLED_BACK: TransactionRolledBackError,
+    ErrorCode.TRANSACTION_OUTCOME_UNKNOWN: TransactionOutcomeUnknownError,
+    ErrorCode.ACKNOWLEDGE_FAILED: AcknowledgeFailedError,
+    ErrorCode.ACKNOWLEDGE_STALE: StaleAcknowledgeError,
+}
+
+
+def error_for(code: ErrorCode, text: str) -> HaFailoverError:
+    """The error class of a code the core decided."""
+    return _ERRORS_BY_CODE.get(code, NotConnectedError)(text)
+
+
+def connect(
+    url: str | FailoverPolicy,
+    *,
+    user: str | None = None,
+    password: str | None = None,
+    exception_listener: Callable[[HaFailoverError], None] | None = None,
+    link_factory: LinkFactory = make_link,
+) -> Connection:
+    """Open a connection from a URL (``failover:(stomp://h1:61613,...)?options``, DESIGN 3).
+
+    Blocks until the first connection succeeds or ``initial_connect_attempts`` are used up
+    (F12). ``user``/``password`` apply to every broker that does not name its own.
+    ``link_factory`` makes the link to one broker (the URL's protocol by default); the
+    driver's tests give a scripted one."""
+    policy = url if isinstance(url, FailoverPolicy) else parse_url(url)
+    if user is not None or password is not None:
+        policy = attrs.evolve(
+            policy,
+            brokers=tuple(
+                b
+                if b.user is not None
+                else attrs.evolve(
+                    b, user=user, password=password if password is not None else b.password
+                )
+                for b in policy.brokers
+            ),
+        )
+    connection = Connection(
+        policy, exception_listener=exception_listener, link_factory=link_factory
+    )
+    connection._open()
+    return connection
+
+
+class Connection:
+    """A connection that keeps working through failover. Use ``connect()`` to make one."""
+
+    def __init__(
+        self,
+        policy: FailoverPolicy,
+        *,
+        exception_listener: Callable[[HaFailoverError], None] | None = None,
+        rng: random.Random | None = None,
+        link_factory: LinkFactory = make_link,
+    ) -> None:
+        self.policy = policy
+        self._link_factory = link_factory
+        self._cond = threading.Condition(threading.RLock())
+        self._machine = FailoverMachine(reconnect_enabled=policy.reconnect_attempts != 0)
+        self._core = SessionsCore(policy.confirmation_window_size)
+        self._window = self._core.window
+        self._schedule = ReconnectSchedule(policy, rng=rng)
+        self._link: Link | None = None
+        # The link an attempt is opening, and what it delivered before it became the
+        # connection's (a reattached broker resends deliveries right after CONNECTED).
+        self._opening: Link | None = None
+        self._early: list[tuple[str, str, Message]] = []
+        self._session_token: str | None = None  # the broker's session id, for reattach
+        self._waiting: dict[int, Waiting] = {}  # by the core's token
+        self._sessions: dict[int, Session] = {}
+        self._browsing: dict[str, Browser] = {}  # browse subscription -> its browser
+        self._session_ids = itertools.count(1)
+        self._subscription_ids = itertools.count(1)
+        self._started = False
+        self._closing = False
+        self._cancel = threading.Event()
+        # Failover bookkeeping for the report.
+        self._lost_at = 0.0
+        self._lost_reason = ""
+        self._lost_from = ""
+        self._attempts = 0
+        self._session_parts: tuple[SessionFailover, ...] = ()
+        self._degraded: tuple[str, ...] = ()
+        self._reports: list[FailoverReport] = []
+        self._reattached = 0
+        self._in_doubt = 0
+        self._received = 0
+        self._exception_listener = exception_listener
+        self._event_listeners: list[Callable[[ConnectionEvent], None]] = []
+        self._notifier = Notifier()
+
+    # --- public -----------------------------------------------------------------------------
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def broker(self) -> str | None:
+        """The broker connected to now (redacted), None while failing over."""
+        with self._cond:
+            link = self._link
+            return link.broker.redacted() if link is not None and self._machine.is_up else None
+
+    @property
+    def state(self) -> str:
+        return self._machine.state.value
+
+    @property
+    def reports(self) -> tuple[FailoverReport, ...]:
+        """Every failover's report, oldest first."""
+        with self._cond:
+            return tuple(self._reports)
+
+    def statistics(self) -> ConnectionStatistics:
+        with self._cond:
+            core = self._core
+            return ConnectionStatistics(
+                sent=core.sent,
+                confirmed=core.confirmed,
+                failovers=self._machine.failovers_completed,
+                reattached=self._reattached,
+                replayed=core.replayed,
+                resent=core.resent,
+                in_doubt=self._in_doubt,
+                received=self._received,
+            )
+
+    def set_exception_listener(self, listener: Callable[[HaFailoverError], None] | None) -> None:
+        """Called once per connection failure (F10): FailoverNotice (code FAILOVER) when
+        failover succeeded, DisconnectedError (code DISCONNECT) when it gave up, and
+        asynchronous errors the broker reported."""
+        self._exception_listener = listener
+
+    def add_event_listener(self, listener: Callable[[ConnectionEvent], None]) -> None:
+        """Lifecycle events for applications and metrics (failure, failover done / failed)."""
+        with self._cond:
+            self._event_listeners.append(listener)
+
+    def create_session(self, ack_mode: AckMode = AckMode.AUTO) -> Session:
+        """A session; ``AckMode.SESSION_TRANSACTED`` for a transacted one."""
+        from hafailover.driver.session import Session
+
+        if not isinstance(ack_mode, AckMode):
+            raise ConfigurationError(f"ack_mode must be an AckMode, not {ack_mode!r}")
+        with self._cond:
+            self._check_open()
+            self._admit(self._failover_deadline())  # F1: waits while failing over
+            session_id = next(self._session_ids)
+            session = Session(self, session_id, ack_mode, self._core.open_session)
+            self._sessions[session_id] = session
+            return session
+
+    def start(self) -> None:
+        """Start (or resume) delivery to consumers."""
+        with self._cond:
+            self._check_open()
+            self._started = True
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Pause delivery; receive() waits and listeners are not called until start()."""
+        with self._cond:
+            self._started = False
+
+    def close(self) -> None:
+        """Close every session and the connection; release every blocked call at once (F2)."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            sessions = list(self._sessions.values())
+            for session in sessions:
+                session._closed = True
+            link = self._link
+            after = self._apply(self._machine.handle(CloseRequested()))
+        self._cancel.set()
+        _run(after)
+        if link is not None:
+            with contextlib.suppress(Exception):
+                link.close()
+        for session in sessions:
+            session._join()
+        self._notifier.stop()
+
+    # --- opening and failing over -----------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self._schedule.run(
+                lambda broker, n: self._attempt(broker, n, initial=True),
+                initial=True,
+                sleep=self._cancellable_sleep,
+                cancelled=self._cancel.is_set,
+                on_failure=self._attempt_failed,
+            )
+        except AttemptsExhausted as exc:
+            with self._cond:
+                self._apply(self._machine.handle(Exhausted(exc.attempts, str(exc.last_error))))
+            raise NotConnectedError(
+                f"could not connect to {', '.join(b.redacted() for b in self.policy.brokers)} "
+                f"after {exc.attempts} attempt(s): {exc.last_error}"
+            ) from exc.last_error
+        except ReconnectCancelled:
+            raise ConnectionClosedError("the connection was closed while connecting") from None
+
+    def _attempt(self, broker: Any, number: int, *, initial: bool) -> None:
+        """One connection attempt: open, then carry out the failover's plan; raise if any
+        step fails (the schedule then makes the next attempt)."""
+        self._attempts = number
+        link = self._make_opening_link()
+        resume = None if initial else self._session_token
+        try:
+            opened = link.open(broker, resume=resume)
+            if opened.resumed:
+                with self._cond:
+                    possible = self._core.reattach_possible(opened.last_received)
+                if not possible:
+                    # Reattach would need transacted commands the broker never received: end
+                    # that session (its transactions roll back) and start a new one instead.
+                    link.close()
+                    link = self._make_opening_link()
+                    opened = link.open(broker, resume=None)
+            self._prepare(link, opened, initial=initial)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                link.abort()
+            # If it was being restored, the machine goes back to failing over.
+            self.link_lost(link, f"failover attempt failed: {exc}")
+            raise
+        log.debug("connected to %s (resumed=%s)", broker.redacted(), opened.resumed)
+
+    def _make_opening_link(self) -> Link:
+        link = self._link_factory(self, self.policy, self._window)
+        with self._cond:
+            self._opening = link
+            self._early = []
+        return link
+
+    def _attempt_failed(self, attempt: Attempt, error: BaseException) -> None:
+        log.info(
+            "connection attempt %d to %s failed: %s",
+            attempt.number,
+            attempt.broker.redacted(),
+            error,
+        )
+
+    def _cancellable_sleep(self, seconds: float) -> None:
+        if self._cancel.wait(seconds):
+            raise ReconnectCancelled()
+
+    def _prepare(self, link: Link, opened: Opened, *, initial: bool) -> None:
+        """Make ``link`` the connection's: plan the failover, carry the plan out, restore."""
+        with self._cond:
+            if self._closing:
+                raise ReconnectCancelled()
+            self._link = link
+            if opened.topology and self.policy.use_topology:
+                self._apply(self._machine.handle(TopologyAnnounced(opened.topology)))
+            self._schedule.rotation.connected_to(opened.broker)
+            if link.windowed:
+                self._session_token = opened.session_id
+            if initial:
+                self._core.first_connection()
+                self._take_early_deliveries(link)
+                self._apply(self._machine.handle(Connected(opened.broker, link=link.serial)))
+                return
+            self._degraded = () if link.windowed else ("reattach",)
+            plan = self._core.failover(resumed=opened.resumed, last_received=opened.last_received)
+            self._session_parts = plan.sessions
+            connected = Connected(
+                opened.broker, resumed=opened.resumed, plan=plan, link=link.serial
+            )
+            after = self._apply(self._machine.handle(connected))
+            self._take_early_deliveries(link)
+        _run(after)  # the recreation's I/O, outside the lock
+        with self._cond:
+            machine = self._machine
+            if machine.state is not FailoverState.RESTORING or machine.link != link.serial:
+                raise NotConnectedError(f"{opened.broker.redacted()} was lost during failover")
+            if opened.resumed:
+                self._reattached += 1
+            after = self._apply(machine.handle(Restored()))
+        _run(after)
+
+    def _run_reconnect(self) -> None:
+        try:
+            self._schedule.run(
+                lambda broker, n: self._attempt(broker, n, initial=False),
+                initial=False,
+                sleep=self._cancellable_sleep,
+                cancelled=self._cancel.is_set,
+                on_failure=self._attempt_failed,
+            )
+        except ReconnectCancelled:
+            return
+        except (AttemptsExhausted, LocalError, SecurityError) as exc:
+            reason = str(exc.last_error) if isinstance(exc, AttemptsExhausted) else str(exc)
+            attempts = exc.attempts if isinstance(exc, AttemptsExhausted) else self._attempts
+            with self._cond:
+                after = self._apply(self._machine.handle(Exhausted(attempts, reason)))
+            _run(after)
+
+    # --- carrying out the machine's effects -------------------------------------------------
+
+    def _apply(self, effects: list[Effect]) -> list[Deferred]:
+        """Under the lock: carry out effects; return what to do once the lock is released
+        (I/O that may block, threads to start, completion callbacks)."""
+        after: list[Deferred] = []
+        for effect in effects:
+            if isinstance(effect, StartReconnect):
+                thread = threading.Thread(
+                    target=self._run_reconnect, name="hafailover-reconnect", daemon=True
+                )
+                after.append(thread.start)
+            elif isinstance(effect, CancelReconnect):
+                self._cancel.set()
+            elif isinstance(effect, CloseTransport):
+                link = self._link
+                if link is not None and not self._closing:
+                    after.append(link.abort)
+            elif isinstance(effect, LearnTopology):
+                if self._schedule.rotation.learn_topology(effect.endpoints):
+                    log.info(
+                        "topology: %s",
+                        ", ".join(b.redacted() for b in self._schedule.rotation.brokers),
+                    )
+            elif isinstance(effect, ReattachSessions):
+                assert effect.plan is not None
+                after.extend(self._reattach(effect.plan))
+            elif isinstance(effect, RecreateSessions):
+                assert effect.plan is not None
+                after.append(self._recreate(effect.plan))
+            elif isinstance(effect, UnblockPendingCalls):
+                after.extend(
+                    self._end_calls(
+                        self._core.release(effect.tokens),
+                        UnblockedError(
+                            "the connection failed over before the broker answered; "
+                            "the outcome is unknown"
+                        ),
+                    )
+                )
+            elif isinstance(effect, FailPendingCalls):
+                error = error_for(effect.code, f"connection {effect.code.value}")
+                after.extend(self._end_calls(self._core.release_all(), error))
+                for session in self._sessions.values():
+                    session._wake_browsers()
+            elif isinstance(effect, WakeBlockedCalls):
+                self._cond.notify_all()
+            elif isinstance(effect, NotifyListener):
+                self._notify_failover(effect)
+        return after
+
+    def _reattach(self, plan: FailoverPlan) -> list[Callback]:
+        """Under the lock: write the plan on a server that kept the session (F4)."""
+        link = self._link
+        assert link is not None
+        for command in plan.replay:
+            link.replay(command.payload)
+        for token in plan.resend:
+            self._resend(link, token)
+        callbacks = self._end_calls(plan.complete, None)
+        for session in self._sessions.values():
+            outcome = plan.outcomes.get(session.session_id)
+            if outcome is not None:
+                session._failed_over(outcome, link, reattached=True)
+        return callbacks
+
+    def _recreate(self, plan: FailoverPlan) -> Callable[[], None]:
+        """Under the lock: apply the sessions' outcomes on a new session (F5-F9); returns
+        the recreation to run outside it (a link whose calls block is waited on)."""
+        link = self._link
+        assert link is not None
+        consumers: list[Consumer] = []
+        temporary: list[Destination] = []
+        for session in self._sessions.values():
+            outcome = plan.outcomes.get(session.session_id)
+            if outcome is not None:
+                session._failed_over(outcome, link, reattached=False)
+            consumers.extend(c for c in session._consumers.values() if not c._closed)
+            temporary.extend(session._temporary)
+
+        def recreate() -> None:
+            for destination in temporary:
+                link.temporary_queue(destination)
+            for consumer in consumers:
+                with self._cond:
+                    consumer._subscribe_on(link)
+            with self._cond:
+                for token in plan.resend:
+                    self._resend(link, token)
+                for command in plan.resend_frames:
+                    link.resend(command.payload)
+                    self._core.count_sent()
+
+        return recreate
+
+    def _resend(self, link: Link, token: int) -> None:
+        """Under the lock: send again a confirmed send of the plan (F13)."""
+        waiting = self._waiting.get(token)
+        if waiting is None or waiting.completion.message is None or waiting.destination is None:
+            return
+        command_id = link.send(
+            waiting.destination, waiting.completion.message, tx=None, token=token
+        )
+        self._core.resent_on(token, link=link.serial, command_id=command_id)
+
+    def _notify_failover(self, effect: NotifyListener) -> None:
+        machine = self._machine
+        report = FailoverReport(
+            code=effect.code,
+            reason=effect.reason or self._lost_reason,
+            from_broker=self._lost_from,
+            to_broker=machine.broker.redacted() if machine.broker is not None else None,
+            reattached=effect.reattached,
+            attempts=self._attempts,
+            duration=time.monotonic() - self._lost_at if self._lost_at else 0.0,
+            sessions=self._session_parts,
+            degraded=self._degraded if effect.code is ErrorCode.FAILOVER else (),
+        )
+        self._reports.append(report)
+        self._in_doubt += len(report.in_doubt)
+        event: ConnectionEvent
+        error: HaFailoverError
+        if effect.code is ErrorCode.FAILOVER:
+            log.warning("%s", report.summary())
+            event = FailoverCompleted(report)
+            error = FailoverNotice(report.summary(), reattached=effect.reattached, report=report)
+        else:
+            log.error("%s", report.summary())
+            event = FailoverFailed(report)
+            error = DisconnectedError(report.summary())
+        self._notify_all(event, error)
+
+    def _notify_all(self, event: ConnectionEvent | None, error: HaFailoverError | None) -> None:
+        """Tell event listeners, then the exception listener, on the listener thread."""
+        listeners = list(self._event_listeners) if event is not None else []
+        exception_listener = self._exception_listener
+
+        def tell() -> None:
+            for listener in listeners:
+                call_listener(listener, event)
+            if error is not None and exception_listener is not None:
+                call_listener(exception_listener, error)
+
+        self._notifier.post(tell)
+
+    # --- link events (transport threads) -----------------------------------------------------
+
+    def link_message(self, link: Any, subscription: str, tag: str, message: Message) -> None:
+        with self._cond:
+            if link is not self._link:
+                if link is self._opening:
+                    # Before the attempt made it the connection's: kept for _prepare.
+                    self._early.append((subscription, tag, message))
+                return  # else a late delivery of a link replaced by a failover
+            self._route_message(subscription, tag, message)
+
+    def _take_early_deliveries(self, link: Link) -> None:
+        """Under the lock, once ``link`` is the connection's and the failover rules are
+        applied: route what it delivered while it was still being opened."""
+        early = self._early if link is self._opening else []
+        self._opening, self._early = None, []
+        for subscription, tag, message in early:
+            self._route_message(subscription, tag, message)
+
+    def _route_message(self, subscription: str, tag: str, message: Message) -> None:
+        """Under the lock: a delivery of the current link to its browser or consumer."""
+        browser = self._browsing.get(subscription)
+        if browser is not None:
+            browser._buffer.append(message)
+            self._cond.notify_all()
+            return
+        for session in self._sessions.values():
+            consumer = session._consumers.get(subscription)
+            if consumer is not None:
+                consumer._arrived(tag, message)
+                return
+
+    def link_completed(self, link: Any, token: int, error: HaFailoverError | None) -> None:
+        with self._cond:
+            waiting = self._waiting.get(token)
+            answer = self._core.answered(token, error)
+            callbacks = self._end_calls(answer.done, None)
+            if answer.failed:
+                callbacks.extend(self._end_calls(answer.failed, error))
+            if answer.refused_subscriptions and waiting is not None and waiting.consumer:
+                # The broker refused the subscription: the consumer is gone, so a
+                # reconnect does not ask again (and get refused again).
+                consumer = waiting.consumer
+                consumer._closed = True
+                consumer.session._consumers.pop(consumer.subscription, None)
+        _run(callbacks)
+
+    def link_confirmed(self, link: Any, upto: int) -> None:
+        with self._cond:
+            current = self._link
+            if current is None or link is not current or not current.windowed:
+                return
+            if self._core.confirmed_upto(upto):
+                self._cond.notify_all()  # room in the window for blocked senders
+
+    def link_browse_end(self, link: Any, subscription: str) -> None:
+        with self._cond:
+            browser = self._browsing.get(subscription)
+            if browser is not None and link is self._link:
+                browser._ended = True
+                self._cond.notify_all()
+
+    def link_error(self, link: Any, error: ProtocolError) -> None:
+        log.warning("%s", error)
+        self._notify_all(None, error)
+
+    def link_lost(self, link: Any, reason: str) -> None:
+        """The reader, a heartbeat or a failed write noticed ``link`` is gone."""
+        with self._cond:
+            if self._closing:
+                return
+            from_broker = link.broker.redacted()
+            effects = self._machine.handle(Lost(reason, link=link.serial))
+            if effects:
+                # The first notice of the current link's loss (the machine ignores the rest).
+                self._lost_at = time.monotonic()
+                self._lost_reason = reason
+                self._lost_from = from_broker
+                log.warning("connection to %s lost: %s; failing over", from_broker, reason)
+                for browser in self._browsing.values():
+                    browser._invalidate()  # F11: the rest of its snapshot died with the link
+                self._notify_all(FailureDetected(from_broker, reason), None)
+            after = self._apply(effects)
+        _run(after)
+
+    def _io_failed(self, link: Link, exc: HaFailoverError) -> None:
+        """A write failed: the link is dead even if its reader has not noticed yet."""
+        if isinstance(exc, NotConnectedError | UnblockedError):
+            self.link_lost(link, str(exc))
+
+    # --- calls ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ConnectionClosedError("the connection is closed")
+
+    def _admit(self, deadline: float | None) -> Link:
+        """Under the lock: wait while failing over (F1); return the link to use."""
+        while True:
+            admission, code = self._machine.admit()
+            if admission is Admission.PROCEED and self._link is not None:
+                return self._link
+            if admission is Admission.RAISE:
+                assert code is not None
+                raise error_for(code, f"the connection is {self._machine.state.value}")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CallTimeoutError(
+                    f"the connection did not come back within call_failover_timeout "
+                    f"({self.policy.call_failover_timeout}s)"
+                )
+            self._cond.wait(remaining)
+
+    def _failover_deadline(self) -> float | None:
+        timeout = self.policy.call_failover_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _call(
+        self,
+        kind: CallKind,
+        completion: SendCompletion,
+        session: Session | None,
+        *,
+        destination: Destination | None = None,
+        producer: Producer | None = None,
+        consumer: Consumer | None = None,
+        resendable: bool = False,
+        size: int = 0,
+        commit: bool = False,
+    ) -> int:
+        """Under the lock: register a call that waits for the broker; returns its token."""
+        message = completion.message
+        token = self._core.call(
+            kind,
+            None if session is None else session.session_id,
+            resendable=resendable,
+            size=size,
+            message_id=message.ensure_message_id() if message is not None else "",
+            subscription=consumer.subscription if consumer is not None else "",
+            commit=commit,
+        )
+        self._waiting[token] = Waiting(completion, destination, producer, consumer)
+        return token
+
+    def _written(self, token: int | None, link: Link, command_id: int, *, asked: bool) -> None:
+        """Under the lock: the call's frame left on ``link``."""
+        if token is not None:
+            self._core.written(
+                token, link=link.serial, command_id=command_id, windowed=link.windowed, asked=asked
+            )
+
+    def _end_calls(self, tokens: Iterable[int], error: HaFailoverError | None) -> list[Callback]:
+        """Under the lock: finish the completions of calls the core ended; returns their
+        callbacks to run outside it."""
+        callbacks: list[Callback] = []
+        for token in tokens:
+            waiting = self._waiting.pop(token, None)
+            if waiting is None:
+                continue
+            if waiting.producer is not None:
+                waiting.producer._outstanding -= 1
+            callbacks.extend(waiting.completion._finish(error))
+        self._cond.notify_all()
+        return callbacks
+
+    def _abandon(self, token: int, error: HaFailoverError) -> list[Callback]:
+        """Under the lock: a call ends without the broker (its write failed, locally)."""
+        self._core.abandon(token)
+        return self._end_calls((token,), error)
+
+    def _ask_for_receipt(self) -> None:
+        """Under the lock: someone waits for a cumulative confirmation that no written frame
+        has asked for yet; write one frame that asks."""
+        link = self._link
+        if link is None or not link.windowed or not self._machine.is_up:
+            return
+        if not self._core.sync_needed():
+            return
+        token = self._call(CallKind.SYNC, SendCompletion(self, None), None)
+        try:
+            link.sync(token)
+        except HaFailoverError as exc:
+            self._abandon(token, exc)
+            self._io_failed(link, exc)
+            return
+        self._written(token, link, self._window.next_id - 1, asked=True)
+
+    def _wait_done(self, completion: SendCompletion, timeout: float | None) -> None:
+        """Wait for a completion; failover time does not count against call_timeout."""
+        self._wait_until(
+            lambda: completion._done,
+            timeout,
+            lambda: f"the broker did not answer within {self.policy.call_timeout}s",
+        )
+
+    def _wait_until(
+        self, done: Callable[[], bool], timeout: float | None, timed_out: Callable[[], str]
+    ) -> None:
+        """Wait until ``done()`` for the broker's answers, asking for a receipt where one
+        is missing; time spent failing over does not count against the timeout (F1)."""
+        budget = self.policy.call_timeout if timeout is None else timeout
+        with self._cond:
+            last = time.monotonic()
+            while not done():
+                self._ask_for_receipt()
+                if budget <= 0:
+                    raise CallTimeoutError(timed_out())
+                self._cond.wait(min(budget, 0.5))
+                now = time.monotonic()
+                if self._machine.is_up:
+                    budget -= now - last
+                last = now
+
+    def _wait_window_room(self, size: int, deadline: float | None) -> Link:
+        """Under the lock: admission plus window flow control (F4)."""
+        while True:
+            link = self._admit(deadline)
+            if self._core.has_room(size, windowed=link.windowed):
+                return link
+            if not self._cond.wait(self.policy.call_timeout):
+                raise CallTimeoutError(
+                    f"the broker confirmed nothing for {self.policy.call_timeout}s while the "
+                    f"confirmation window ({self._window.size} bytes) was full"
+                )
+
+    def _subscribe(self, consumer: Consumer) -> None:
+        """Start a consumer's subscription, waiting through failover (F1)."""
+        deadline = self._failover_deadline()
+        while True:
+            with self._cond:
+                link = self._admit(deadline)
+                try:
+                    consumer._subscribe_on(link)
+                except HaFailoverError as exc:
+                    if isinstance(exc, NotConnectedError | UnblockedError):
+                        self._io_failed(link, exc)
+                        continue  # the failover recreates the link; subscribe on the new one
+                    consumer.session._consumers.pop(consumer.subscription, None)
+                    if isinstance(exc, CallTimeoutError):
+                        # The broker may still attach it: take back what was asked for.
+                        with contextlib.suppress(HaFailoverError):
+                            link.unsubscribe(consumer.subscription)
+                    raise
+                return
+
+
+def _run(actions: Iterable[Deferred]) -> None:
+    """Outside the lock: run deferred I/O and completion callbacks (a callback that raises
+    is logged, never fatal)."""
+    for action in actions:
+        if isinstance(action, tuple):
+            callback, completion = action
+            try:
+                callback(completion)
+            except Exception:
+                log.exception("a send completion callback raised (ignored)")
+        else:
+            action()

@@ -1,0 +1,274 @@
+"""A consumer of the threaded driver: its subscription, prefetch buffer and the automatic
+acknowledges of AUTO and DUPS_OK sessions.
+
+Which deliveries are stale after a failover, and what an acknowledge that cannot be sent
+means, is the acknowledge-mode rules' decision (``ack_modes``); this module buffers,
+hands out and writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Final
+
+from hafailover._links import Link
+from hafailover.ack_modes import AckAction, AckMode
+from hafailover.destination import Destination
+from hafailover.driver.completions import SendCompletion
+from hafailover.driver.connection import error_for
+from hafailover.errors import (
+    AcknowledgeFailedError,
+    ConnectionClosedError,
+    HaFailoverError,
+    IllegalStateError,
+)
+from hafailover.failover import Admission
+from hafailover.message import Message
+from hafailover.sessions import CallKind
+
+if TYPE_CHECKING:
+    from hafailover.driver.session import Session
+
+__all__ = ["DEFAULT_PREFETCH", "Consumer"]
+
+DEFAULT_PREFETCH: Final = 100
+
+
+class Consumer:
+    """Receives from one destination, with receive() or a message listener."""
+
+    def __init__(
+        self,
+        session: Session,
+        subscription: str,
+        destination: Destination,
+        prefetch: int,
+        selector: str | None = None,
+    ) -> None:
+        self.session = session
+        self.selector = selector
+        self.subscription = subscription
+        self.destination = destination
+        self.prefetch = prefetch
+        self._buffer: collections.deque[tuple[int, str, Message]] = collections.deque()
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._listener: Callable[[Message], None] | None = None
+        self._closed = False
+        self._on_link = 0  # serial of the link this consumer is subscribed on
+        self._subscribed: SendCompletion | None = None  # the broker's answer to subscribing
+
+    @property
+    def _acknowledged(self) -> bool:
+        return self.session.ack_mode is not AckMode.NO_ACKNOWLEDGE
+
+    def _subscribe_on(self, link: Link) -> None:
+        """Under the lock for STOMP; AMQP's subscribe blocks, so it is called without it.
+
+        Once per link: a consumer created during a failover is subscribed either by the
+        failover's recreation or by its own creation, whichever comes first."""
+        if self._on_link == link.serial:
+            return
+        self._on_link = link.serial
+        try:
+            self._subscribe_now(link)
+        except BaseException:
+            self._on_link = 0
+            raise
+
+    def _subscribe_now(self, link: Link) -> None:
+        connection = self.session.connection
+        completion = SendCompletion(connection, None)
+        token = connection._call(CallKind.SUBSCRIBE, completion, self.session, consumer=self)
+        self._subscribed = completion
+        if link.calls_block:
+            self.session.connection._cond.release()
+            try:
+                link.subscribe(
+                    self.subscription,
+                    self.destination,
+                    acknowledged=self._acknowledged,
+                    prefetch=self.prefetch,
+                    selector=self.selector,
+                    token=token,
+                )
+            finally:
+                self.session.connection._cond.acquire()
+            return
+        # Its place in the confirmation window: a reattach whose server got the SUBSCRIBE
+        # completes it even when the receipt was lost with the connection.
+        command_id = connection._window.next_id if link.windowed else -1
+        link.subscribe(
+            self.subscription,
+            self.destination,
+            acknowledged=self._acknowledged,
+            prefetch=self.prefetch,
+            selector=self.selector,
+            token=token,
+        )
+        connection._written(token, link, command_id, asked=True)
+
+    def _arrived(self, tag: str, message: Message) -> None:
+        """Under the lock, from the transport: buffer a delivery (dropping reattach repeats)."""
+        if self._closed:
+            return
+        seen = self._seen
+        if tag in seen:
+            return  # resent after a reattach while we still hold it
+        seen[tag] = None
+        if len(seen) > 4 * self.prefetch + 1000:
+            seen.popitem(last=False)
+        self._buffer.append((self.session.rules.generation, tag, message))
+        connection = self.session.connection
+        connection._cond.notify_all()
+
+    def _take(self) -> Message | None:
+        """Under the lock: the next deliverable message, registered with the ack rules."""
+        session = self.session
+        rules = session.rules
+        while self._buffer:
+            generation, tag, message = self._buffer.popleft()
+            if generation != rules.generation:
+                continue  # prefetched before a reconnect: the broker sends it again
+            message.delivery = rules.delivered(tag)
+            message._acknowledger = session._acknowledge_message
+            session._tag_subscriptions[tag] = self.subscription
+            session.connection._received += 1
+            return message
+        return None
+
+    def _after_delivery(self, message: Message) -> None:
+        """The automatic acknowledge of AUTO / DUPS_OK (F6, F7)."""
+        session = self.session
+        connection = session.connection
+        with connection._cond:
+            decision = session.rules.after_delivery(message.delivery)
+            if decision.action is AckAction.SEND:
+                link = connection._link
+                failure: HaFailoverError | None = None
+                if link is not None and connection._machine.is_up:
+                    failure = self._acknowledge_now(link, decision.tags)
+                    if failure is None:
+                        return
+                # Given up: if a reattach brings it again, it is delivered again.
+                session._forget_seen(decision.tags)
+                decision = session.rules.acknowledge_not_sent()
+                if decision.action is AckAction.RAISE:
+                    why = f"({failure})" if failure is not None else "(failing over)"
+                    raise AcknowledgeFailedError(
+                        f"the acknowledge could not be sent {why}; the message may be "
+                        "delivered again"
+                    ) from failure
+                return
+            if decision.action is AckAction.RAISE:
+                assert decision.code is not None
+                raise error_for(
+                    decision.code,
+                    "the message was delivered before a failover and its acknowledge could "
+                    "not be sent; it may be delivered again",
+                )
+
+    def _acknowledge_now(self, link: Link, tags: tuple[str, ...]) -> HaFailoverError | None:
+        """Under the lock: write the automatic acknowledges; the write's error, if any.
+
+        AUTO confirms each acknowledge before the next delivery (F6: only the last
+        delivered message may come again); DUPS_OK does not wait (F7)."""
+        session = self.session
+        connection = session.connection
+        confirm = session.ack_mode is AckMode.AUTO
+        for tag in tags:
+            subscription = session._tag_subscriptions.pop(tag, self.subscription)
+            token = None
+            if confirm:
+                completion = SendCompletion(connection, None)
+                token = connection._call(CallKind.ACK, completion, session)
+                session._auto_ack = completion
+            command_id = connection._window.next_id if link.windowed else -1
+            try:
+                link.acknowledge(subscription, tag, tx=None, token=token)
+            except HaFailoverError as exc:
+                if token is not None:
+                    connection._abandon(token, exc)
+                    session._auto_ack = None  # reported here, not again by the next receive
+                connection._io_failed(link, exc)
+                return exc
+            connection._written(token, link, command_id, asked=True)
+            self._seen.pop(tag, None)
+        return None
+
+    def _drop_buffer(self, *, give_back: bool) -> None:
+        """Under the lock: forget prefetched messages (and NACK them if the link lives)."""
+        buffered = [tag for _, tag, _ in self._buffer]
+        self._buffer.clear()
+        if give_back and buffered:
+            session = self.session
+            for tag in buffered:
+                session._tag_subscriptions[tag] = self.subscription
+            session._give_back(tuple(buffered))
+        self._seen.clear()
+
+    def receive(self, timeout: float | None = None) -> Message | None:
+        """The next message, waiting up to ``timeout`` seconds (None: forever); None when
+        none came. Waits through failover (F1)."""
+        session = self.session
+        session._check_open()
+        if self._listener is not None:
+            raise IllegalStateError(
+                "this consumer has a message listener; receive() is not allowed"
+            )
+        connection = session.connection
+        deadline = None if timeout is None else time.monotonic() + timeout
+        session._confirm_last_ack()
+        with connection._cond:
+            while True:
+                if self._closed or session._closed:
+                    raise ConnectionClosedError("the consumer is closed")
+                admission, code = connection._machine.admit()
+                if admission is Admission.RAISE and not self._buffer:
+                    assert code is not None
+                    raise error_for(code, f"the connection is {connection._machine.state.value}")
+                if connection._started and self._buffer and connection._machine.is_up:
+                    message = self._take()
+                    if message is not None:
+                        break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                connection._cond.wait(remaining if remaining is not None else 1.0)
+        self._after_delivery(message)
+        return message
+
+    def receive_no_wait(self) -> Message | None:
+        return self.receive(0)
+
+    def set_message_listener(self, listener: Callable[[Message], None] | None) -> None:
+        """Deliver messages to ``listener`` on the session's thread instead of receive()."""
+        with self.session.connection._cond:
+            self._listener = listener
+            if listener is not None:
+                self.session._start_dispatcher()
+
+    def close(self) -> None:
+        """Stop the subscription; prefetched messages go back to the broker."""
+        session = self.session
+        connection = session.connection
+        with connection._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._drop_buffer(give_back=True)
+            session._consumers.pop(self.subscription, None)
+            link = connection._link
+            if link is not None and connection._machine.is_up:
+                with contextlib.suppress(HaFailoverError):
+                    link.unsubscribe(self.subscription)
+            connection._cond.notify_all()
+
+    def __iter__(self) -> Iterator[Message]:
+        """Messages as they come, forever (use receive() for a timeout)."""
+        while True:
+            message = self.receive()
+            if message is not None:
+                yield message

@@ -1,0 +1,223 @@
+"""A producer of the threaded driver: sends pipelined through the confirmation window.
+
+A confirmed send registers a call with the sessions core, which decides what a failover
+does to it (replayed, resent with its duplicate id, or released as in doubt); this module
+writes it and hands the application a completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final
+
+import attrs
+
+from hafailover.ack_modes import TransactedAckRules
+from hafailover.destination import Destination, parse_destination
+from hafailover.driver.completions import SendCompletion
+from hafailover.errors import (
+    ConfigurationError,
+    HaFailoverError,
+    IllegalStateError,
+    MessageTooLargeError,
+    NotConnectedError,
+    UnblockedError,
+)
+from hafailover.message import Message, PropertyValue
+from hafailover.sessions import CallKind
+
+if TYPE_CHECKING:
+    from hafailover.driver.session import Session
+
+__all__ = ["MAX_MESSAGE_BYTES", "Producer"]
+
+# The largest message body a producer accepts (a clear error instead of a broker's refusal).
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+
+
+class Producer:
+    """Sends messages; pipelined through the confirmation window."""
+
+    def __init__(self, session: Session, destination: Destination | None, confirm: bool) -> None:
+        self.session = session
+        self.destination = destination
+        self.confirm = confirm
+        self._outstanding = 0
+
+    def send(
+        self,
+        message: Message | bytes | str,
+        *,
+        destination: str | Destination | None = None,
+        headers: Mapping[str, PropertyValue] | None = None,
+        persistent: bool | None = None,
+        priority: int | None = None,
+        time_to_live: float | None = None,
+    ) -> Message:
+        """Send and, for a persistent message, wait until the broker has it (F1, F3)."""
+        completion = self._send(
+            message, destination, headers, persistent, priority, time_to_live, receipt=True
+        )
+        completion.result()
+        assert completion.message is not None
+        return completion.message
+
+    def send_async(
+        self,
+        message: Message | bytes | str,
+        *,
+        destination: str | Destination | None = None,
+        headers: Mapping[str, PropertyValue] | None = None,
+        persistent: bool | None = None,
+        priority: int | None = None,
+        time_to_live: float | None = None,
+    ) -> SendCompletion:
+        """Send without waiting; the completion tells when the broker confirmed it."""
+        return self._send(
+            message, destination, headers, persistent, priority, time_to_live, receipt=False
+        )
+
+    def _send(
+        self,
+        message: Message | bytes | str,
+        destination: str | Destination | None,
+        headers: Mapping[str, PropertyValue] | None,
+        persistent: bool | None,
+        priority: int | None,
+        time_to_live: float | None,
+        *,
+        receipt: bool,
+    ) -> SendCompletion:
+        session = self.session
+        session._check_open()
+        target = self.destination if destination is None else parse_destination(destination)
+        if target is None:
+            raise IllegalStateError("this producer has no destination: pass destination=")
+        msg = _as_message(message, headers, persistent, priority, time_to_live)
+        size = msg.size()
+        if size > MAX_MESSAGE_BYTES:
+            raise MessageTooLargeError(
+                f"a message of {size} bytes is larger than the {MAX_MESSAGE_BYTES} bytes allowed"
+            )
+        connection = session.connection
+        transacted = session.transacted
+        tx = session._ensure_tx() if transacted else None
+        confirm = self.confirm and msg.persistent and not transacted
+        completion = SendCompletion(connection, msg)
+        with connection._cond:
+            while True:
+                link = connection._wait_window_room(size, connection._failover_deadline())
+                if transacted:
+                    rules = session.rules
+                    assert isinstance(rules, TransactedAckRules)
+                    if rules.transaction.rollback_only:
+                        # F9: the transaction is doomed; commit() will roll back and raise.
+                        rules.transaction.work()
+                        completion._finish(None)
+                        return completion
+                    if session._tx_link != link.serial:
+                        # A failover replaced the link after this send's transaction was
+                        # begun, before any of its work was written (else it would be
+                        # rollback-only): begin it again on the new link and send there.
+                        connection._cond.release()
+                        try:
+                            tx = session._ensure_tx()
+                        finally:
+                            connection._cond.acquire()
+                        continue
+                    rules.transaction.work()
+                token = None
+                transfer: SendCompletion | None = None
+                if confirm:
+                    token = connection._call(
+                        CallKind.SEND,
+                        completion,
+                        session,
+                        destination=target,
+                        producer=self,
+                        resendable=connection.policy.duplicate_detection,
+                        size=0 if link.windowed else size,
+                    )
+                    self._outstanding += 1
+                elif transacted and link.settles_transacted_work:
+                    # The broker settles each transactional transfer; the discharge
+                    # must wait for them, or it can overtake transfers still waiting for
+                    # a new sender link's credit (and commit without them). The send itself
+                    # completes at once, as every transacted send does: commit() waits.
+                    transfer = SendCompletion(connection, msg)
+                    token = connection._call(
+                        CallKind.TRANSFER, transfer, session, destination=target
+                    )
+                    session._tx_sends.append(transfer)
+                ask = connection._core.asks_receipt(
+                    token, windowed=link.windowed, waited_for=receipt
+                )
+                try:
+                    command_id = link.send(target, msg, tx=tx, token=token if ask else None)
+                except HaFailoverError as exc:
+                    if not isinstance(exc, NotConnectedError | UnblockedError):
+                        # Not the link's fault (a message this protocol cannot carry):
+                        # nothing was sent, the connection is fine, the caller hears why.
+                        if token is not None:
+                            connection._abandon(token, exc)
+                        if transfer is not None:
+                            session._tx_sends.remove(transfer)
+                        raise
+                    connection._io_failed(link, exc)
+                    if transacted:
+                        # The transaction is doomed by the failover (F9): commit() says so.
+                        completion._finish(None)
+                        return completion
+                    if token is not None:
+                        # The pending send stays: the failover resends it or releases it.
+                        return completion
+                    continue  # unconfirmed: send again on the next link (stop the world)
+                connection._core.count_sent()
+                connection._written(token, link, command_id, asked=ask)
+                if not confirm:
+                    completion._finish(None)
+                return completion
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every send_async of this producer has completed."""
+        self.session.connection._wait_until(
+            lambda: self._outstanding <= 0,
+            timeout,
+            lambda: f"{self._outstanding} send(s) still unconfirmed after the timeout",
+        )
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _as_message(
+    message: Message | bytes | str,
+    headers: Mapping[str, PropertyValue] | None,
+    persistent: bool | None,
+    priority: int | None,
+    time_to_live: float | None,
+) -> Message:
+    if isinstance(message, Message):
+        if headers is not None:
+            message.properties = {**message.properties, **headers}
+        if persistent is not None:
+            message.persistent = persistent
+        if priority is not None:
+            message.priority = priority
+        if time_to_live is not None:
+            message.time_to_live = time_to_live
+        attrs.validate(message)
+        return message
+    if headers is None and priority is None and time_to_live is None:
+        return Message.of_body(message, persistent=True if persistent is None else persistent)
+    if not isinstance(message, bytes | str):
+        raise ConfigurationError(
+            f"a message body must be bytes or str (or a Message), not {type(message).__name__}"
+        )
+    return Message(
+        body=message,
+        properties=dict(headers or {}),
+        persistent=True if persistent is None else persistent,
+        priority=4 if priority is None else priority,
+        time_to_live=time_to_live,
+    )
