@@ -1,10 +1,11 @@
 """The message an application sends and receives, the same on both protocols.
 
-A ``Message`` is built by the application (body, properties, delivery options) and
-filled in by hafailover: ``message_id`` at the first send (it doubles as the duplicate id
-of a persistent send, DESIGN.md F13, so re-sending the same message object after an
-unknown outcome or a rolled-back transaction stores it once), and the delivery fields on
-receipt. Bad input is refused when the message is built, naming what was wrong.
+A ``Message`` is built by the application (body, properties, delivery options); a send
+never changes it: what goes out is a copy carrying the message's id, given at its first
+send and kept beside the object (it doubles as the duplicate id of a persistent send,
+DESIGN.md F13, so re-sending the same message object after an unknown outcome or a
+rolled-back transaction stores it once). Received messages carry the delivery fields.
+Bad input is refused when the message is built, naming what was wrong.
 Pure: no I/O; acknowledging a received message goes through the session that set its
 ``delivery`` token.
 """

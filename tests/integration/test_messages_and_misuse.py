@@ -59,6 +59,37 @@ def test_every_byte_value_and_the_headers_arrive(pair: BrokerPair, protocol: str
         assert connection.statistics().failovers == 0
 
 
+def test_one_message_object_sent_from_two_threads_is_unchanged_and_stored_once(
+    pair: BrokerPair, protocol: str
+) -> None:
+    """A send never changes the application's Message: two threads send one object with
+    different headers, each copy carries the object's one id, and with duplicate detection
+    the broker keeps one of them (F13)."""
+    import threading
+
+    original = Message(body="shared", properties={"kind": "order"})
+    with hafailover.connect(url_for(pair, protocol)) as connection:
+        sent: list[Message] = []
+
+        def send(n: int) -> None:
+            producer = connection.create_session().create_producer("queue://shared-object")
+            sent.append(producer.send(original, headers={"thread": n}))
+
+        threads = [threading.Thread(target=send, args=(n,)) for n in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert len(sent) == 2
+        assert original.properties == {"kind": "order"} and original.message_id is None
+        assert sent[0].message_id == sent[1].message_id is not None
+        consumer = connection.create_session().create_consumer("queue://shared-object")
+        connection.start()
+        first = consumer.receive(5)
+        assert first is not None and str(first.properties["thread"]) in ("0", "1")
+        assert consumer.receive(1) is None  # the broker dropped the copy by its duplicate id
+
+
 def test_bad_urls_and_options_name_what_is_wrong() -> None:
     with pytest.raises(InvalidURLError) as raised:
         hafailover.connect("failover:(stomp://h:1)?reconnect_attempts=often")

@@ -509,8 +509,7 @@ class Connection:
             for destination in temporary:
                 link.temporary_queue(destination)
             for consumer in consumers:
-                with self._cond:
-                    consumer._subscribe_on(link)
+                consumer._subscribe_on(link)
             with self._cond:
                 for token in plan.resend:
                     self._resend(link, token)
@@ -801,19 +800,20 @@ class Connection:
         while True:
             with self._cond:
                 link = self._admit(deadline)
-                try:
-                    consumer._subscribe_on(link)
-                except HaFailoverError as exc:
-                    if isinstance(exc, NotConnectedError | UnblockedError):
-                        self._io_failed(link, exc)
-                        continue  # the failover recreates the link; subscribe on the new one
+            try:
+                consumer._subscribe_on(link)
+            except HaFailoverError as exc:
+                if isinstance(exc, NotConnectedError | UnblockedError):
+                    self._io_failed(link, exc)
+                    continue  # the failover recreates the link; subscribe on the new one
+                with self._cond:
                     consumer.session._consumers.pop(consumer.subscription, None)
-                    if isinstance(exc, CallTimeoutError):
-                        # The broker may still attach it: take back what was asked for.
-                        with contextlib.suppress(HaFailoverError):
-                            link.unsubscribe(consumer.subscription)
-                    raise
-                return
+                if isinstance(exc, CallTimeoutError):
+                    # The broker may still attach it: take back what was asked for.
+                    with contextlib.suppress(HaFailoverError):
+                        link.unsubscribe(consumer.subscription)
+                raise
+            return
 
 
 def _run(actions: Iterable[Deferred]) -> None:

@@ -65,50 +65,46 @@ class Consumer:
         return self.session.ack_mode is not AckMode.NO_ACKNOWLEDGE
 
     def _subscribe_on(self, link: Link) -> None:
-        """Under the lock for STOMP; AMQP's subscribe blocks, so it is called without it.
+        """Subscribe on ``link``, once per link: a consumer created during a failover is
+        subscribed by the recreation or by its own creation, whichever comes first.
 
-        Once per link: a consumer created during a failover is subscribed either by the
-        failover's recreation or by its own creation, whichever comes first."""
-        if self._on_link == link.serial:
-            return
-        self._on_link = link.serial
-        try:
-            self._subscribe_now(link)
-        except BaseException:
-            self._on_link = 0
-            raise
-
-    def _subscribe_now(self, link: Link) -> None:
+        Called without the connection's lock: decided under it, and written under it too
+        unless the link's calls wait for the broker."""
         connection = self.session.connection
-        completion = SendCompletion(connection, None)
-        token = connection._call(CallKind.SUBSCRIBE, completion, self.session, consumer=self)
-        self._subscribed = completion
-        if link.calls_block:
-            self.session.connection._cond.release()
-            try:
-                link.subscribe(
-                    self.subscription,
-                    self.destination,
-                    acknowledged=self._acknowledged,
-                    prefetch=self.prefetch,
-                    selector=self.selector,
-                    token=token,
-                )
-            finally:
-                self.session.connection._cond.acquire()
-            return
+        with connection._cond:
+            if self._on_link == link.serial:
+                return
+            self._on_link = link.serial
+            completion = SendCompletion(connection, None)
+            token = connection._call(CallKind.SUBSCRIBE, completion, self.session, consumer=self)
+            self._subscribed = completion
+            if not link.calls_block:
+                self._write_subscription(link, token)
+                return
+        self._write_subscription(link, token)
+
+    def _write_subscription(self, link: Link, token: int) -> None:
+        connection = self.session.connection
         # Its place in the confirmation window: a reattach whose server got the SUBSCRIBE
         # completes it even when the receipt was lost with the connection.
         command_id = connection._window.next_id if link.windowed else -1
-        link.subscribe(
-            self.subscription,
-            self.destination,
-            acknowledged=self._acknowledged,
-            prefetch=self.prefetch,
-            selector=self.selector,
-            token=token,
-        )
-        connection._written(token, link, command_id, asked=True)
+        try:
+            link.subscribe(
+                self.subscription,
+                self.destination,
+                acknowledged=self._acknowledged,
+                prefetch=self.prefetch,
+                selector=self.selector,
+                token=token,
+            )
+        except BaseException as exc:
+            with connection._cond:
+                self._on_link = 0
+                if isinstance(exc, HaFailoverError):
+                    connection._abandon(token, exc)
+            raise
+        if not link.calls_block:
+            connection._written(token, link, command_id, asked=True)
 
     def _arrived(self, tag: str, message: Message) -> None:
         """Under the lock, from the transport: buffer a delivery (dropping reattach repeats)."""

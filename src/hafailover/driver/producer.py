@@ -7,8 +7,10 @@ writes it and hands the application a completion.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -23,7 +25,7 @@ from hafailover.errors import (
     NotConnectedError,
     UnblockedError,
 )
-from hafailover.message import Message, PropertyValue
+from hafailover.message import Message, PropertyValue, new_message_id
 from hafailover.sessions import CallKind
 
 if TYPE_CHECKING:
@@ -101,11 +103,12 @@ class Producer:
             )
         connection = session.connection
         transacted = session.transacted
-        tx = session._ensure_tx() if transacted else None
         confirm = self.confirm and msg.persistent and not transacted
         completion = SendCompletion(connection, msg)
-        with connection._cond:
-            while True:
+        while True:
+            # Begun outside the lock: on some links it waits for the broker.
+            tx = session._ensure_tx() if transacted else None
+            with connection._cond:
                 link = connection._wait_window_room(size, connection._failover_deadline())
                 if transacted:
                     rules = session.rules
@@ -119,11 +122,6 @@ class Producer:
                         # A failover replaced the link after this send's transaction was
                         # begun, before any of its work was written (else it would be
                         # rollback-only): begin it again on the new link and send there.
-                        connection._cond.release()
-                        try:
-                            tx = session._ensure_tx()
-                        finally:
-                            connection._cond.acquire()
                         continue
                     rules.transaction.work()
                 token = None
@@ -190,6 +188,25 @@ class Producer:
         self.flush()
 
 
+# The id each application Message was sent with, kept beside it: a message object is never
+# changed by a send, and sending the same object again (a retried transaction, a resend
+# after an unknown outcome) uses the same id, so a broker with duplicate detection stores it
+# once (F13). Held weakly: forgotten with the message.
+_SENT_IDS: Final[weakref.WeakKeyDictionary[Message, str]] = weakref.WeakKeyDictionary()
+_SENT_IDS_LOCK: Final = threading.Lock()
+
+
+def sent_id(message: Message) -> str:
+    """The id ``message`` is sent with: its own, else the one first given to it."""
+    if message.message_id is not None:
+        return message.message_id
+    with _SENT_IDS_LOCK:
+        message_id = _SENT_IDS.get(message)
+        if message_id is None:
+            message_id = _SENT_IDS[message] = new_message_id()
+        return message_id
+
+
 def _as_message(
     message: Message | bytes | str,
     headers: Mapping[str, PropertyValue] | None,
@@ -197,17 +214,22 @@ def _as_message(
     priority: int | None,
     time_to_live: float | None,
 ) -> Message:
+    """The message to send: a copy of an application's Message (which no send changes, so
+    it may be sent from several threads, or again), or a new one for a bare body."""
     if isinstance(message, Message):
+        changes: dict[str, Any] = {}
         if headers is not None:
-            message.properties = {**message.properties, **headers}
+            changes["properties"] = {**message.properties, **headers}
         if persistent is not None:
-            message.persistent = persistent
+            changes["persistent"] = persistent
         if priority is not None:
-            message.priority = priority
+            changes["priority"] = priority
         if time_to_live is not None:
-            message.time_to_live = time_to_live
-        attrs.validate(message)
-        return message
+            changes["time_to_live"] = time_to_live
+        # evolve runs the validators on the copy, so bad options are refused here.
+        return attrs.evolve(
+            message, message_id=sent_id(message), delivery=None, acknowledger=None, **changes
+        )
     if headers is None and priority is None and time_to_live is None:
         return Message.of_body(message, persistent=True if persistent is None else persistent)
     if not isinstance(message, bytes | str):
