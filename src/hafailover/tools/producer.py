@@ -39,7 +39,7 @@ from hafailover.errors import (
     TransactionRolledBackError,
     UnblockedError,
 )
-from hafailover.message import Message
+from hafailover.message import Message, new_message_id
 from hafailover.tools._common import (
     Progress,
     Recorder,
@@ -129,8 +129,13 @@ class _Run:
         return (stamp + b"x" * size)[:size] if size >= len(stamp) else b"x" * size
 
     def message(self, seq: int) -> Message:
+        # The id is chosen here, so the record names it before the send; a send never
+        # changes the message, and a retried batch sends these objects with these ids.
         return Message(
-            body=self.body(seq), properties={"seq": seq}, persistent=self.options.persistent
+            body=self.body(seq),
+            properties={"seq": seq},
+            persistent=self.options.persistent,
+            message_id=new_message_id(),
         )
 
 
