@@ -300,8 +300,14 @@ class StompLink:
         """A frame that does nothing but ask for a receipt (an empty transaction rolled
         back): with receipts in frame order it confirms everything written before it."""
         name = f"sync-{self.serial}-{next(self._tx_names)}"
-        self._write("BEGIN", {"transaction": name})
-        self._write("ABORT", {"transaction": name, "receipt": f"{_TOKEN_PREFIX}{token}"})
+        frames: list[tuple[str, dict[str, str], bytes]] = [
+            ("BEGIN", {"transaction": name}, b""),
+            ("ABORT", {"transaction": name, "receipt": f"{_TOKEN_PREFIX}{token}"}, b""),
+        ]
+        sizes = self._transport.write_frames(frames)  # one write: no Nagle wait between them
+        if self.windowed:
+            for frame, size in zip(frames, sizes, strict=True):
+                self.window.record(frame, size, force=True)
 
     def replay(self, payload: object) -> None:
         assert isinstance(payload, tuple)

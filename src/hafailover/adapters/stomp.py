@@ -16,7 +16,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import stomp
@@ -301,6 +301,17 @@ class StompTransport:
             # the rest of a send; its transport's send() keeps its socket lock.
             connection.transport.send(frame)
         return len(frame)
+
+    def write_frames(self, frames: Sequence[tuple[str, Mapping[str, str], bytes]]) -> list[int]:
+        """Write several frames in one socket write (a small frame written right after
+        another would wait for the peer's delayed acknowledgement); their sizes."""
+        connection = self._connection
+        if connection is None or self.broker is None:
+            raise NotConnectedError("the transport is not open")
+        encoded = [encode_frame(command, headers, body) for command, headers, body in frames]
+        with _map_errors(self.broker):
+            connection.transport.send(b"".join(encoded))
+        return [len(frame) for frame in encoded]
 
     def close(self) -> None:
         """Say goodbye (DISCONNECT) and close; the session ends on the broker."""

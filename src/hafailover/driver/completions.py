@@ -17,7 +17,7 @@ from hafailover.errors import HaFailoverError
 from hafailover.message import Message
 
 if TYPE_CHECKING:
-    from hafailover.driver.connection import Connection
+    from hafailover.driver.calls import Calls
     from hafailover.driver.consumer import Consumer
     from hafailover.driver.producer import Producer
 
@@ -29,7 +29,7 @@ class SendCompletion:
 
     __slots__ = ("_callbacks", "_connection", "_done", "_error", "message")
 
-    def __init__(self, connection: Connection, message: Message | None) -> None:
+    def __init__(self, connection: Calls, message: Message | None) -> None:
         self._connection = connection
         self.message = message
         self._done = False

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Final
 from hafailover._links import Link
 from hafailover.ack_modes import AckAction, AckMode
 from hafailover.destination import Destination
+from hafailover.driver.calls import error_for
 from hafailover.driver.completions import SendCompletion
-from hafailover.driver.connection import error_for
 from hafailover.errors import (
     AcknowledgeFailedError,
     ConnectionClosedError,

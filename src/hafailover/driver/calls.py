@@ -1,0 +1,239 @@
+"""The calls of the threaded driver: admission, waiting for the broker, flow control.
+
+Every call that needs the network is admitted here (stop the world, F1), registered with
+the sessions core when it waits for the broker, and finished here when the core says it
+ended; waiting counts no time spent failing over against call_timeout. A mixin of
+``Connection``: it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Final, Protocol
+
+from hafailover._links import Link
+from hafailover.destination import Destination
+from hafailover.driver.completions import Callback, SendCompletion, Waiting
+from hafailover.errors import (
+    AcknowledgeFailedError,
+    CallTimeoutError,
+    ConnectionClosedError,
+    DisconnectedError,
+    ErrorCode,
+    HaFailoverError,
+    NotConnectedError,
+    StaleAcknowledgeError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
+    UnblockedError,
+)
+from hafailover.failover import Admission, FailoverMachine
+from hafailover.sessions import CallKind, SessionsCore
+from hafailover.url import FailoverPolicy
+
+if TYPE_CHECKING:
+    from hafailover.driver.consumer import Consumer
+    from hafailover.driver.producer import Producer
+
+__all__ = ["Calls", "error_for"]
+
+
+class _Owner(Protocol):
+    """The session a call belongs to."""
+
+    session_id: int
+
+
+_ERRORS_BY_CODE: Final[Mapping[ErrorCode, type[HaFailoverError]]] = {
+    ErrorCode.DISCONNECT: DisconnectedError,
+    ErrorCode.NOT_CONNECTED: NotConnectedError,
+    ErrorCode.UNBLOCKED: UnblockedError,
+    ErrorCode.CLOSED: ConnectionClosedError,
+    ErrorCode.TRANSACTION_ROLLED_BACK: TransactionRolledBackError,
+    ErrorCode.TRANSACTION_OUTCOME_UNKNOWN: TransactionOutcomeUnknownError,
+    ErrorCode.ACKNOWLEDGE_FAILED: AcknowledgeFailedError,
+    ErrorCode.ACKNOWLEDGE_STALE: StaleAcknowledgeError,
+}
+
+
+def error_for(code: ErrorCode, text: str) -> HaFailoverError:
+    """The error class of a code the core decided."""
+    return _ERRORS_BY_CODE.get(code, NotConnectedError)(text)
+
+
+class Calls:
+    """Admission, registration and waiting; mixed into ``Connection``, whose state it uses."""
+
+    policy: FailoverPolicy
+    _cond: threading.Condition
+    _machine: FailoverMachine
+    _core: SessionsCore
+    _link: Link | None
+    _waiting: dict[int, Waiting]
+    _closing: bool
+
+    if TYPE_CHECKING:
+
+        def link_lost(self, link: Link, reason: str) -> None: ...
+
+    def _io_failed(self, link: Link, exc: HaFailoverError) -> None:
+        """A write failed: the link is dead even if its reader has not noticed yet."""
+        if isinstance(exc, NotConnectedError | UnblockedError):
+            self.link_lost(link, str(exc))
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ConnectionClosedError("the connection is closed")
+
+    def _admit(self, deadline: float | None) -> Link:
+        """Under the lock: wait while failing over (F1); return the link to use."""
+        while True:
+            admission, code = self._machine.admit()
+            if admission is Admission.PROCEED and self._link is not None:
+                return self._link
+            if admission is Admission.RAISE:
+                assert code is not None
+                raise error_for(code, f"the connection is {self._machine.state.value}")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CallTimeoutError(
+                    f"the connection did not come back within call_failover_timeout "
+                    f"({self.policy.call_failover_timeout}s)"
+                )
+            self._cond.wait(remaining)
+
+    def _failover_deadline(self) -> float | None:
+        timeout = self.policy.call_failover_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _call(
+        self,
+        kind: CallKind,
+        completion: SendCompletion,
+        session: _Owner | None,
+        *,
+        destination: Destination | None = None,
+        producer: Producer | None = None,
+        consumer: Consumer | None = None,
+        resendable: bool = False,
+        size: int = 0,
+        commit: bool = False,
+    ) -> int:
+        """Under the lock: register a call that waits for the broker; returns its token."""
+        message = completion.message
+        token = self._core.call(
+            kind,
+            None if session is None else session.session_id,
+            resendable=resendable,
+            size=size,
+            message_id=message.ensure_message_id() if message is not None else "",
+            subscription=consumer.subscription if consumer is not None else "",
+            commit=commit,
+        )
+        self._waiting[token] = Waiting(completion, destination, producer, consumer)
+        return token
+
+    def _written(self, token: int | None, link: Link, command_id: int, *, asked: bool) -> None:
+        """Under the lock: the call's frame left on ``link``."""
+        if token is not None:
+            self._core.written(
+                token, link=link.serial, command_id=command_id, windowed=link.windowed, asked=asked
+            )
+
+    def _end_calls(self, tokens: Iterable[int], error: HaFailoverError | None) -> list[Callback]:
+        """Under the lock: finish the completions of calls the core ended; returns their
+        callbacks to run outside it."""
+        callbacks: list[Callback] = []
+        for token in tokens:
+            waiting = self._waiting.pop(token, None)
+            if waiting is None:
+                continue
+            if waiting.producer is not None:
+                waiting.producer._outstanding -= 1
+            callbacks.extend(waiting.completion._finish(error))
+        self._cond.notify_all()
+        return callbacks
+
+    def _abandon(self, token: int, error: HaFailoverError) -> list[Callback]:
+        """Under the lock: a call ends without the broker (its write failed, locally)."""
+        self._core.abandon(token)
+        return self._end_calls((token,), error)
+
+    def _ask_for_receipt(self) -> None:
+        """Under the lock: someone waits for a cumulative confirmation that no written frame
+        has asked for yet; write one frame that asks."""
+        link = self._link
+        if link is None or not link.windowed or not self._machine.is_up:
+            return
+        if not self._core.sync_needed():
+            return
+        token = self._call(CallKind.SYNC, SendCompletion(self, None), None)
+        try:
+            link.sync(token)
+        except HaFailoverError as exc:
+            self._abandon(token, exc)
+            self._io_failed(link, exc)
+            return
+        self._written(token, link, self._core.window.next_id - 1, asked=True)
+
+    def _wait_done(self, completion: SendCompletion, timeout: float | None) -> None:
+        """Wait for a completion; failover time does not count against call_timeout."""
+        self._wait_until(
+            lambda: completion._done,
+            timeout,
+            lambda: f"the broker did not answer within {self.policy.call_timeout}s",
+        )
+
+    def _wait_until(
+        self, done: Callable[[], bool], timeout: float | None, timed_out: Callable[[], str]
+    ) -> None:
+        """Wait until ``done()`` for the broker's answers, asking for a receipt where one
+        is missing; time spent failing over does not count against the timeout (F1)."""
+        budget = self.policy.call_timeout if timeout is None else timeout
+        with self._cond:
+            last = time.monotonic()
+            while not done():
+                self._ask_for_receipt()
+                if budget <= 0:
+                    raise CallTimeoutError(timed_out())
+                self._cond.wait(min(budget, 0.5))
+                now = time.monotonic()
+                if self._machine.is_up:
+                    budget -= now - last
+                last = now
+
+    def _wait_window_room(self, size: int, deadline: float | None) -> Link:
+        """Under the lock: admission plus window flow control (F4)."""
+        while True:
+            link = self._admit(deadline)
+            if self._core.has_room(size, windowed=link.windowed):
+                return link
+            if not self._cond.wait(self.policy.call_timeout):
+                raise CallTimeoutError(
+                    f"the broker confirmed nothing for {self.policy.call_timeout}s while the "
+                    f"confirmation window ({self._core.window.size} bytes) was full"
+                )
+
+    def _subscribe(self, consumer: Consumer) -> None:
+        """Start a consumer's subscription, waiting through failover (F1)."""
+        deadline = self._failover_deadline()
+        while True:
+            with self._cond:
+                link = self._admit(deadline)
+            try:
+                consumer._subscribe_on(link)
+            except HaFailoverError as exc:
+                if isinstance(exc, NotConnectedError | UnblockedError):
+                    self._io_failed(link, exc)
+                    continue  # the failover recreates the link; subscribe on the new one
+                with self._cond:
+                    consumer.session._consumers.pop(consumer.subscription, None)
+                if isinstance(exc, CallTimeoutError):
+                    # The broker may still attach it: take back what was asked for.
+                    with contextlib.suppress(HaFailoverError):
+                        link.unsubscribe(consumer.subscription)
+                raise
+            return

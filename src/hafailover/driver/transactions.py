@@ -1,0 +1,343 @@
+"""The transactions of a transacted session (F9, F3): commit, rollback and the broker's
+transaction handle, begun on first use.
+
+What a commit caught by a failover raises is decided by the transaction state
+(``tx/state.py``), which the sessions core tells what the failover showed; this module
+writes the commit or rollback, waits for the broker and says what happened. A mixin of
+``Session``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NoReturn
+
+from hafailover.ack_modes import AckMode, AckRules, TransactedAckRules
+from hafailover.driver.completions import SendCompletion
+from hafailover.driver.consumer import Consumer
+from hafailover.errors import (
+    CallTimeoutError,
+    DisconnectedError,
+    ErrorCode,
+    HaFailoverError,
+    IllegalStateError,
+    NotConnectedError,
+    RemoteError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
+    UnblockedError,
+)
+from hafailover.sessions import CallKind
+from hafailover.tx.state import CommitAction, CommitDecision, TxPhase
+
+if TYPE_CHECKING:
+    from hafailover.driver.connection import Connection
+
+__all__ = ["Transactions"]
+
+
+class Transactions:
+    """commit() and rollback(); mixed into ``Session``, whose state it uses."""
+
+    connection: Connection
+    rules: AckRules
+    session_id: int
+    ack_mode: AckMode
+    _consumers: dict[str, Consumer]
+    _tag_subscriptions: dict[str, str]
+    _tx: object
+    _tx_link: int
+    _tx_sends: list[SendCompletion]
+    _commit_link: int
+
+    if TYPE_CHECKING:
+
+        def _check_open(self) -> None: ...
+
+        def _give_back(self, tags: tuple[str, ...]) -> None: ...
+
+        def _drop_buffered(self, tags: tuple[str, ...]) -> None: ...
+
+    def commit(self) -> None:
+        """Commit the transaction; TransactionRolledBackError if failover made it
+        rollback-only (F9), TransactionOutcomeUnknownError if the reply was lost (F3)."""
+        self._check_open()
+        tx_rules = self._transacted_rules("commit")
+        transaction = tx_rules.transaction
+        connection = self.connection
+        with connection._cond:
+            # One lock hold from the decision to reading the work it covers: a failover
+            # applied in between would roll the work back behind the commit's back.
+            decision = transaction.begin_commit()
+            # The commit belongs to this link: if a failover replaces it before the commit
+            # is written, the transaction rules decide its fate (it never moves links).
+            self._commit_link = getattr(connection._link, "serial", 0)
+            if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
+                self._tx_sends = []
+                received = tx_rules.received_in_transaction()
+                tx_rules.transaction_ended()
+                handle = self._take_tx()
+            else:
+                handle = self._tx
+                received = tx_rules.received_in_transaction()
+        if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
+            self._end_on_broker(handle, commit=False, received=received, quiet=True)
+            raise TransactionRolledBackError(
+                "the transaction was rolled back: a failover made it rollback-only; "
+                "replay its work and commit again"
+            )
+        with connection._cond:
+            stale = handle is not None and self._tx_link != getattr(
+                connection._link, "serial", None
+            )
+            caught = transaction.phase is not TxPhase.COMMITTING
+        if caught:
+            # A failover applied since the decision caught the commit: it decided.
+            self._end_interrupted_commit(tx_rules, None, received)
+        with connection._cond:
+            if (handle is None and not received) or stale:
+                transaction.commit_finished()
+                tx_rules.transaction_ended()
+                self._tx = None
+                if stale:
+                    # The transaction's link is gone and no failover rule caught it: never
+                    # report a commit that did not happen.
+                    raise TransactionRolledBackError(
+                        "the transaction was lost with its connection; replay its work"
+                    )
+                return
+        try:
+            if handle is None:
+                # Only received so far: the acknowledges go in a transaction of their own.
+                handle = self._ensure_tx()
+            self._settle_transfers()
+            self._end_on_broker(handle, commit=True, received=received, quiet=False)
+        except (
+            UnblockedError,
+            TransactionOutcomeUnknownError,
+            CallTimeoutError,
+            DisconnectedError,
+        ) as exc:
+            # No answer came: the connection was lost (failed over or not, yet or for good)
+            # or the call timed out. Only whether the commit was written says what may have
+            # happened; never report as rolled back a commit the broker may have done.
+            self._end_interrupted_commit(tx_rules, exc, received)
+        except TransactionRolledBackError:
+            raise  # a refused send of the transaction: rolled back already
+        except RemoteError as exc:
+            with connection._cond:
+                transaction.commit_finished()
+                tx_rules.transaction_ended()
+                self._tx = None
+            raise TransactionRolledBackError(f"the broker refused the commit: {exc}") from exc
+        with connection._cond:
+            transaction.commit_finished()
+            tx_rules.transaction_ended()
+            self._tx = None
+
+    def _end_interrupted_commit(
+        self, tx_rules: TransactedAckRules, exc: BaseException | None, received: tuple[str, ...]
+    ) -> NoReturn:
+        """End a commit that got no answer and raise what may have happened. A commit never
+        written on a link that lives on (it timed out, or a reattach kept the transaction)
+        is rolled back on the broker too, or the broker keeps its batch."""
+        transaction = tx_rules.transaction
+        with self.connection._cond:
+            timed_out = isinstance(exc, CallTimeoutError)
+            unwritten = transaction.phase is TxPhase.COMMITTING
+            fate = transaction.commit_interrupted()
+            undo = (timed_out and unwritten) or fate.rollback_on_broker
+            handle = self._take_tx() if undo else None
+            error = self._interrupted_error(fate, exc)
+            tx_rules.transaction_ended()
+            self._tx = None
+            if undo:
+                # Given back below: the broker delivers them anew, under new ids. A copy a
+                # reattach resent under the old ids is stale: never hand it out.
+                self._drop_buffered(received)
+        if undo:
+            self._end_on_broker(handle, commit=False, received=received, quiet=True)
+        raise error from None
+
+    @staticmethod
+    def _interrupted_error(fate: CommitDecision, exc: BaseException | None) -> HaFailoverError:
+        """What an interrupted commit raises: rolled back (never written), outcome unknown,
+        or, once the connection is lost for good, DisconnectedError (F2) saying which."""
+        rolled_back = fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+        timed_out = isinstance(exc, CallTimeoutError)
+        if isinstance(exc, DisconnectedError):
+            outcome = (
+                "the transaction was rolled back"
+                if rolled_back
+                else "the commit was sent and may or may not have happened"
+            )
+            return DisconnectedError(f"{exc}; {outcome}")
+        if rolled_back:
+            why = "timed out" if timed_out else "lost its connection"
+            return TransactionRolledBackError(
+                f"the commit {why} before it reached the broker; the transaction was rolled back"
+            )
+        why = "timed out" if timed_out else "its connection was lost"
+        return TransactionOutcomeUnknownError(
+            f"the commit was sent but {why} before the broker answered; it may or may "
+            "not have happened (retry with the same duplicate ids to be safe)"
+        )
+
+    def rollback(self) -> None:
+        """Roll the transaction back; always succeeds and cleans the session (F9)."""
+        self._check_open()
+        tx_rules = self._transacted_rules("rollback")
+        connection = self.connection
+        with connection._cond:
+            decision = tx_rules.transaction.rollback()
+            handle, received = self._end_transaction_locked(
+                tx_rules, on_broker=decision.rollback_on_broker
+            )
+        self._end_on_broker(handle, commit=False, received=received, quiet=True)
+
+    def _end_transaction_locked(
+        self, tx_rules: TransactedAckRules, *, on_broker: bool
+    ) -> tuple[object, tuple[str, ...]]:
+        """Under the lock, for a rollback: forget the transaction's work and prefetched
+        messages; return the broker's transaction to roll back (None: nothing to send)
+        and the deliveries to give back."""
+        self._tx_sends = []
+        received = tx_rules.received_in_transaction()
+        tx_rules.transaction_ended()
+        handle = self._take_tx() if on_broker else None
+        for consumer in self._consumers.values():
+            consumer._drop_buffer(give_back=True)
+        return handle, received
+
+    def _settle_transfers(self) -> None:
+        """AMQP: every transfer of the transaction settled by the broker before the
+        discharge; a refused one fails the commit (the transaction is rolled back)."""
+        sends, self._tx_sends = self._tx_sends, []
+        for completion in sends:
+            try:
+                completion.result()
+            except UnblockedError:
+                raise
+            except RemoteError as exc:
+                # The commit is abandoned before its discharge: roll back, as rollback()
+                # would (which refuses to run while a commit is running).
+                tx_rules = self._transacted_rules("commit")
+                with self.connection._cond:
+                    tx_rules.transaction.commit_finished()
+                    handle, received = self._end_transaction_locked(tx_rules, on_broker=True)
+                self._end_on_broker(handle, commit=False, received=received, quiet=True)
+                raise TransactionRolledBackError(
+                    f"the broker refused a send of the transaction, which was rolled back: {exc}"
+                ) from exc
+
+    def _take_tx(self) -> object:
+        handle, self._tx = self._tx, None
+        if self._tx_link != getattr(self.connection._link, "serial", None):
+            return None  # the transaction died with its link
+        return handle
+
+    def _end_on_broker(
+        self, handle: object, *, commit: bool, received: tuple[str, ...], quiet: bool
+    ) -> None:
+        """Acknowledge what was received inside the transaction, then commit or roll back."""
+        connection = self.connection
+        if handle is None:
+            if not commit:
+                with connection._cond:
+                    self._give_back(received)
+            return
+        completion = SendCompletion(connection, None)
+        with connection._cond:
+            link = connection._admit(connection._failover_deadline())
+            if self._tx_link != link.serial or (commit and link.serial != self._commit_link):
+                # The transaction died with its link while this call waited for the
+                # failover: a commit learns its fate from the transaction rules (F3, F9).
+                if commit:
+                    raise UnblockedError("the transaction's connection failed over")
+                self._give_back(received)
+                return
+            settled: list[SendCompletion] = []
+            if commit:
+                for tag in received:
+                    ack_token = None
+                    if link.settles_transacted_work:
+                        # The discharge must not overtake these dispositions.
+                        ack = SendCompletion(connection, None)
+                        ack_token = connection._call(CallKind.ACK, ack, self)
+                        settled.append(ack)
+                    link.acknowledge(
+                        self._tag_subscriptions.get(tag, ""), tag, tx=handle, token=ack_token
+                    )
+                    connection._written(ack_token, link, -1, asked=True)
+            token = connection._call(CallKind.END, completion, self, commit=commit)
+            blocking = link.calls_block
+            if not blocking:
+                command_id = connection._window.next_id if link.windowed else -1
+                try:
+                    link.end(handle, commit=commit, token=token)
+                except HaFailoverError as exc:
+                    # Never written: the failover's rules decide (a commit not written is
+                    # rolled back, F3).
+                    connection._io_failed(link, exc)
+                else:
+                    connection._written(token, link, command_id, asked=True)
+                    if commit:
+                        self.rules.transaction.commit_written()  # type: ignore[attr-defined]
+        try:
+            if blocking:
+                for ack in settled:
+                    ack.result()
+                if commit:
+                    with connection._cond:
+                        self.rules.transaction.commit_written()  # type: ignore[attr-defined]
+                link.end(handle, commit=commit, token=token)
+                with connection._cond:
+                    connection._written(token, link, -1, asked=True)
+            completion.result()
+        except HaFailoverError:
+            if quiet:
+                return
+            raise
+        finally:
+            with connection._cond:
+                if not commit:
+                    self._give_back(received)
+                else:
+                    for tag in received:
+                        self._tag_subscriptions.pop(tag, None)
+
+    def _transacted_rules(self, what: str) -> TransactedAckRules:
+        if not isinstance(self.rules, TransactedAckRules):
+            raise IllegalStateError(
+                f"{what}() needs a transacted session; this one is {self.ack_mode.value}"
+            )
+        return self.rules
+
+    def _ensure_tx(self) -> object:
+        """The broker transaction for the current work, begun on first use."""
+        connection = self.connection
+        deadline = connection._failover_deadline()
+        while True:
+            with connection._cond:
+                link = connection._admit(deadline)
+                if self._tx is not None and self._tx_link == link.serial:
+                    return self._tx
+                if not link.calls_block:
+                    try:
+                        self._tx = link.begin()
+                    except (NotConnectedError, UnblockedError) as exc:
+                        connection._io_failed(link, exc)
+                        continue  # F1: wait for the failover; its rules decide the work's fate
+                    self._tx_link = link.serial
+                    return self._tx
+            try:
+                handle = link.begin()  # AMQP declare waits for the broker: outside the lock
+            except (NotConnectedError, UnblockedError) as exc:
+                connection._io_failed(link, exc)
+                continue
+            with connection._cond:
+                if self._tx is None or self._tx_link != link.serial:
+                    self._tx = handle
+                    self._tx_link = link.serial
+                return self._tx
+
+    # --- failover ---------------------------------------------------------------------------
