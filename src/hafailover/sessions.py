@@ -337,28 +337,14 @@ class SessionsCore:
                 complete.append(token)
         for token in complete:
             self._end(token, confirmed=True)
-        first_session = min(self.rules, default=0)
-        replayed_ids = tuple(c.command_id for c in window_plan.replay)
-        outcomes: dict[int, FailoverOutcome] = {}
-        parts: list[SessionFailover] = []
-        for session_id, rules in self.rules.items():
-            outcome, rolled_back = self._session_failover(
-                rules,
-                reattached=True,
-                lost_work=lost_work,
-                commit_received=commit_received.get(session_id),
-            )
-            outcomes[session_id] = outcome
-            parts.append(
-                SessionFailover(
-                    session_id=session_id,
-                    replayed=replayed_ids if session_id == first_session else (),
-                    resent=tuple(resent.get(session_id, ())),
-                    stale_acks=outcome.stale,
-                    rolled_back=rolled_back,
-                    dirty=outcome.dirty,
-                )
-            )
+        outcomes, parts = self._sessions_fail_over(
+            reattached=True,
+            lost_work=lost_work,
+            commit_received=commit_received,
+            replayed=tuple(c.command_id for c in window_plan.replay),
+            resent=resent,
+            in_doubt={},
+        )
         return FailoverPlan(
             reattached=True,
             replay=window_plan.replay,
@@ -390,23 +376,14 @@ class SessionsCore:
                 in_doubt.setdefault(call.session_id, []).append(call.message_id)
         # Sends nobody waits for (confirm=False) follow the window: stamped ones are resent.
         resend_frames = tuple(c for c in window_plan.resend if c.command_id not in waited_for)
-        outcomes: dict[int, FailoverOutcome] = {}
-        parts: list[SessionFailover] = []
-        for session_id, rules in self.rules.items():
-            outcome, rolled_back = self._session_failover(
-                rules, reattached=False, lost_work=False, commit_received=None
-            )
-            outcomes[session_id] = outcome
-            parts.append(
-                SessionFailover(
-                    session_id=session_id,
-                    resent=tuple(resent.get(session_id, ())),
-                    in_doubt=tuple(in_doubt.get(session_id, ())),
-                    stale_acks=outcome.stale,
-                    rolled_back=rolled_back,
-                    dirty=outcome.dirty,
-                )
-            )
+        outcomes, parts = self._sessions_fail_over(
+            reattached=False,
+            lost_work=False,
+            commit_received={},
+            replayed=(),
+            resent=resent,
+            in_doubt=in_doubt,
+        )
         return FailoverPlan(
             reattached=False,
             resend=tuple(resend),
@@ -416,19 +393,46 @@ class SessionsCore:
             sessions=tuple(parts),
         )
 
-    @staticmethod
-    def _session_failover(
-        rules: AckRules, *, reattached: bool, lost_work: bool, commit_received: bool | None
-    ) -> tuple[FailoverOutcome, bool]:
-        """One session's rules (F6-F9); returns its outcome and whether its transaction
-        was rolled back (or made rollback-only) by this failover."""
-        if isinstance(rules, TransactedAckRules):
-            was_clean = not rules.transaction.dirty
-            outcome = rules.failover(
-                reattached=reattached, lost_work=lost_work, commit_received=commit_received
+    def _sessions_fail_over(
+        self,
+        *,
+        reattached: bool,
+        lost_work: bool,
+        commit_received: Mapping[int, bool],
+        replayed: tuple[int, ...],
+        resent: Mapping[int, list[str]],
+        in_doubt: Mapping[int, list[str]],
+    ) -> tuple[dict[int, FailoverOutcome], tuple[SessionFailover, ...]]:
+        """Every session's rules (F6-F9): their outcomes, and the report's parts (the
+        replayed ids, which the window does not tell apart by session, go to the first)."""
+        outcomes: dict[int, FailoverOutcome] = {}
+        parts: list[SessionFailover] = []
+        first_session = min(self.rules, default=0)
+        for session_id, rules in self.rules.items():
+            rolled_back = False
+            if isinstance(rules, TransactedAckRules):
+                was_clean = not rules.transaction.dirty
+                outcome = rules.failover(
+                    reattached=reattached,
+                    lost_work=lost_work,
+                    commit_received=commit_received.get(session_id),
+                )
+                rolled_back = outcome.dirty and not was_clean
+            else:
+                outcome = rules.failover(reattached=reattached)
+            outcomes[session_id] = outcome
+            parts.append(
+                SessionFailover(
+                    session_id=session_id,
+                    replayed=replayed if session_id == first_session else (),
+                    resent=tuple(resent.get(session_id, ())),
+                    in_doubt=tuple(in_doubt.get(session_id, ())),
+                    stale_acks=outcome.stale,
+                    rolled_back=rolled_back,
+                    dirty=outcome.dirty,
+                )
             )
-            return outcome, outcome.dirty and not was_clean
-        return rules.failover(reattached=reattached), False
+        return outcomes, tuple(parts)
 
     def _forget_receipt(self, token: int) -> None:
         call = self.calls.get(token)

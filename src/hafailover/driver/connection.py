@@ -287,15 +287,19 @@ class Connection(Calls):
 
     # --- opening and failing over -----------------------------------------------------------
 
+    def _run_schedule(self, *, initial: bool) -> None:
+        """Make attempts until one connects (the schedule's rules: F2, F12)."""
+        self._schedule.run(
+            lambda broker, n: self._attempt(broker, n, initial=initial),
+            initial=initial,
+            sleep=self._cancellable_sleep,
+            cancelled=self._cancel.is_set,
+            on_failure=self._attempt_failed,
+        )
+
     def _open(self) -> None:
         try:
-            self._schedule.run(
-                lambda broker, n: self._attempt(broker, n, initial=True),
-                initial=True,
-                sleep=self._cancellable_sleep,
-                cancelled=self._cancel.is_set,
-                on_failure=self._attempt_failed,
-            )
+            self._run_schedule(initial=True)
         except AttemptsExhausted as exc:
             with self._cond:
                 self._apply(self._machine.handle(Exhausted(exc.attempts, str(exc.last_error))))
@@ -387,13 +391,7 @@ class Connection(Calls):
 
     def _run_reconnect(self) -> None:
         try:
-            self._schedule.run(
-                lambda broker, n: self._attempt(broker, n, initial=False),
-                initial=False,
-                sleep=self._cancellable_sleep,
-                cancelled=self._cancel.is_set,
-                on_failure=self._attempt_failed,
-            )
+            self._run_schedule(initial=False)
         except ReconnectCancelled:
             return
         except (AttemptsExhausted, LocalError, SecurityError) as exc:
