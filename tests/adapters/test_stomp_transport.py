@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -99,6 +100,28 @@ def test_open_send_subscribe_receive(pair: BrokerPair) -> None:
     transport.write("ACK", {"id": ack_id})
     transport.close()
     assert not events.lost
+
+
+@pytest.mark.broker
+def test_small_frames_go_out_at_once_and_in_one_write(pair: BrokerPair) -> None:
+    """Nagle's algorithm is off: a frame written while an earlier one is unacknowledged
+    (a receipt sync after receipt-less sends, a COMMIT after its SENDs) waited for the
+    broker's delayed TCP acknowledgement, about 40 ms a call. Frames written together go
+    in one write."""
+    events = Recorder()
+    transport = StompTransport(events)
+    transport.open(address(pair.live))
+    sock = transport._connection.transport.socket  # type: ignore[union-attr]
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    sizes = transport.write_frames(
+        [
+            ("BEGIN", {"transaction": "t1"}, b""),
+            ("ABORT", {"transaction": "t1", "receipt": "r-sync"}, b""),
+        ]
+    )
+    assert len(sizes) == 2 and all(size > 0 for size in sizes)
+    events.wait(lambda: "r-sync" in events.receipts)
+    transport.close()
 
 
 @pytest.mark.broker
