@@ -1,13 +1,18 @@
-"""The STOMP 1.2 server: frames from the codec, operations on the engine, frames back.
+"""The STOMP server (1.0, 1.1, 1.2): frames from the codec, operations on the engine, frames back.
 
 One ``StompConnection`` per TCP connection (an asyncio protocol); the session state it
 serves lives in a ``StompSession``, so that a session can outlive its connection and be
 taken over by a new one (the reattach extension, docs/protocol-reattach.md).
 
 Rules this module enforces:
-- CONNECT (or STOMP) first, accept-version including 1.2, login and passcode checked
-  against the users file; anything else gets an ERROR frame naming the problem, and the
-  connection is closed after it, as the spec requires.
+- CONNECT (or STOMP) first; the version is the highest of 1.0, 1.1 and 1.2 the client
+  accepts (no accept-version header means 1.0); login and passcode checked against the
+  users file; anything else gets an ERROR frame naming the problem, and the connection is
+  closed after it, as the spec requires.
+- What differs by version: header escaping (none on 1.0, no CR on 1.1); heart-beating
+  (1.1 and 1.2); what an ACK or NACK names (1.2: the MESSAGE's ``ack`` header as ``id``;
+  1.1: ``message-id`` and ``subscription``; 1.0: ``message-id``, and there is no NACK). The
+  hafailover extensions (reattach and the confirmation window) are for 1.2 clients only.
 - A receipt for a SEND of a persistent message, an ACK, NACK, COMMIT or DISCONNECT is sent
   only when what it confirms is durable (the live's journal and the backup). Receipts go out
   in the order their frames came in, and any receipt also waits for the durable work of the
@@ -36,13 +41,11 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
-from reference_broker.core import BrokerCore
-from reference_broker.engine import AckMode, Delivery
-from reference_broker.message import BrokerError, InvalidRequestError
-from reference_broker.stomp.codec import (
+from hafailover.stomp_frame import (
+    VERSIONS,
     Frame,
     FrameParser,
     Heartbeat,
@@ -54,8 +57,12 @@ from reference_broker.stomp.codec import (
     encode_message,
     format_heart_beat,
     negotiate_heart_beat,
+    negotiate_version,
     parse_heart_beat,
 )
+from reference_broker.core import BrokerCore
+from reference_broker.engine import AckMode, Delivery
+from reference_broker.message import BrokerError, InvalidRequestError
 
 __all__ = ["StompConnection", "StompSession", "serve_stomp", "stomp_destination"]
 
@@ -185,6 +192,7 @@ class StompConnection(asyncio.Protocol):
         self.parser = FrameParser(
             Side.SERVER, limits or ParserLimits(max_body_size=core.config.max_body_size)
         )
+        self.version = "1.2"  # until CONNECT says otherwise
         self.transport: asyncio.Transport | None = None
         self.session: StompSession | None = None
         self.peer = "?"
@@ -306,12 +314,16 @@ class StompConnection(asyncio.Protocol):
                 )
 
     def _on_connect(self, frame: Frame) -> None:
-        versions = [v.strip() for v in frame.get("accept-version", "1.0").split(",")]
-        if "1.2" not in versions:
+        accepted = frame.get("accept-version")
+        version = negotiate_version(accepted)
+        if version is None:
             self._error(
-                f"unsupported STOMP version(s) {', '.join(versions)}: this broker speaks 1.2"
+                f"unsupported STOMP version(s) {accepted}: this broker speaks "
+                f"{', '.join(VERSIONS)}",
+                extra=(("version", ",".join(VERSIONS)),),
             )
             return
+        self.version = self.parser.version = version
         user, passcode = frame.get("login"), frame.get("passcode")
         if not self.core.authenticate(user, passcode, self.peer):
             self._error(f"authentication failed for user {user!r}")
@@ -320,23 +332,29 @@ class StompConnection(asyncio.Protocol):
             self._error("this node is not active: connect to the live node")
             return
         try:
-            client_hb = parse_heart_beat(frame.get("heart-beat", "0,0"))
+            # STOMP 1.0 has no heart-beating.
+            client_hb = parse_heart_beat(
+                frame.get("heart-beat", "0,0") if version != "1.0" else "0,0"
+            )
         except StompProtocolError as exc:
             self._error(exc.message)
             return
-        server_ms = int(self.core.config.heartbeat * 1000)
+        server_ms = int(self.core.config.heartbeat * 1000) if version != "1.0" else 0
         intervals = negotiate_heart_beat(client_hb, (server_ms, server_ms))
         if self._connect_timer is not None:
             self._connect_timer.cancel()
 
-        headers: list[tuple[str, str]] = [
-            ("version", "1.2"),
-            ("heart-beat", format_heart_beat(server_ms, server_ms)),
-            ("server", SERVER_NAME),
-        ]
+        headers: list[tuple[str, str]] = [("version", version)]
+        if version != "1.0":
+            headers.append(("heart-beat", format_heart_beat(server_ms, server_ms)))
+        headers.append(("server", SERVER_NAME))
         session: StompSession | None = None
         reattached = False
-        wanted = frame.get(H_REATTACH)
+        # The hafailover extensions are STOMP 1.2's only (docs/protocol-reattach.md).
+        extended = version == "1.2"
+        wanted = frame.get(H_REATTACH) if extended else None
+        if frame.get(H_REATTACH) and not extended:
+            headers.append((H_REATTACH, "refused"))
         if wanted:
             held = self.core.claim_session(wanted) or self._take_over(wanted, user)
             if isinstance(held, StompSession) and held.user == user:
@@ -351,7 +369,7 @@ class StompConnection(asyncio.Protocol):
         if session is None:
             session = StompSession(self.core, self.core.new_session_id(), user)
             try:
-                session.window = int(frame.get(H_WINDOW, "-1"))
+                session.window = int(frame.get(H_WINDOW, "-1")) if extended else -1
                 ttl_ms = int(frame.get(H_TTL, "0"))
             except ValueError:
                 self._error(f"{H_WINDOW} and {H_TTL} must be whole numbers")
@@ -491,14 +509,15 @@ class StompConnection(asyncio.Protocol):
                 ("persistent", "true" if message.persistent else "false"),
                 ("priority", str(message.priority)),
             ]
-            block = b"".join(encode_header(k, v) for k, v in own)
-            user = b"".join(
-                encode_header(k, v) for k, v in message.headers.items() if k != "content-length"
+            self._write(
+                encode_message(
+                    message.body,
+                    self._header_block(own),
+                    self._header_block(message.headers.items()),
+                )
             )
-            self._write(encode_message(message.body, block, user))
-        end = b"".join(
-            encode_header(k, v)
-            for k, v in (("subscription", sub_id), ("destination", destination), ("browser", "end"))
+        end = self._header_block(
+            (("subscription", sub_id), ("destination", destination), ("browser", "end"))
         )
         self._write(encode_message(b"", end, b""))
 
@@ -517,12 +536,9 @@ class StompConnection(asyncio.Protocol):
         self._maybe_receipt(frame, durable=True)
 
     def _on_ack(self, frame: Frame, session: StompSession, *, nack: bool = False) -> None:
-        ack_id = frame.get("id")
-        if not ack_id:
-            raise InvalidRequestError(f"{frame.command} needs an id header")
-        consumer_id, tag = _parse_ack_id(ack_id)
-        if consumer_id not in session.consumer_subscription:
-            raise InvalidRequestError(f"{frame.command} of {ack_id!r}: no such subscription here")
+        if nack and self.version == "1.0":
+            raise InvalidRequestError("NACK is not a STOMP 1.0 frame (connect with 1.1 or 1.2)")
+        consumer_id, tag = self._acknowledged(frame, session)
         tx = self._transaction(frame, session)
         engine = self.core.engine
         if nack:
@@ -540,6 +556,34 @@ class StompConnection(asyncio.Protocol):
 
     def _on_nack(self, frame: Frame, session: StompSession) -> None:
         self._on_ack(frame, session, nack=True)
+
+    def _acknowledged(self, frame: Frame, session: StompSession) -> tuple[int, int]:
+        """The delivery an ACK or NACK names, as this connection's version names it."""
+        command = frame.command
+        if self.version == "1.2":
+            ack_id = frame.get("id")
+            if not ack_id:
+                raise InvalidRequestError(f"{command} needs an id header")
+            consumer_id, tag = _parse_ack_id(ack_id)
+            if consumer_id not in session.consumer_subscription:
+                raise InvalidRequestError(f"{command} of {ack_id!r}: no such subscription here")
+            return consumer_id, tag
+        message_id = frame.get("message-id")
+        subscription = frame.get("subscription")
+        if not message_id:
+            raise InvalidRequestError(f"{command} needs a message-id header (STOMP {self.version})")
+        if self.version == "1.1" and not subscription:
+            raise InvalidRequestError(f"{command} needs a subscription header (STOMP 1.1)")
+        node = self.core.config.node_id
+        for (consumer_id, tag), delivery in session.unacked.items():
+            if f"{node}:{delivery.message.id}" == message_id and (
+                subscription is None
+                or session.consumer_subscription.get(consumer_id) == subscription
+            ):
+                return consumer_id, tag
+        raise InvalidRequestError(
+            f"{command} of message-id {message_id!r}: no unacknowledged delivery of it here"
+        )
 
     def _on_begin(self, frame: Frame, session: StompSession) -> None:
         name = frame.get("transaction")
@@ -606,7 +650,7 @@ class StompConnection(asyncio.Protocol):
     def _send_receipt(
         self, receipt_id: str, *, durable: bool, then_close: bool = False, window: bool = False
     ) -> None:
-        data = encode(Frame("RECEIPT", (("receipt-id", receipt_id),)))
+        data = encode(Frame("RECEIPT", (("receipt-id", receipt_id),)), version=self.version)
         if not window:
             durable = durable or self._owed_durable
             self._owed_durable = False
@@ -655,7 +699,10 @@ class StompConnection(asyncio.Protocol):
             ("subscription", session.consumer_subscription[consumer_id]),
             ("message-id", f"{self.core.config.node_id}:{message.id}"),
             ("destination", _reply_destination(message.address)),
-            ("ack", f"{consumer_id}:{delivery.tag}"),
+        ]
+        if self.version == "1.2":
+            own.append(("ack", f"{consumer_id}:{delivery.tag}"))
+        own += [
             ("persistent", "true" if message.persistent else "false"),
             ("priority", str(message.priority)),
             ("redelivered", "true" if redelivered else "false"),
@@ -663,25 +710,49 @@ class StompConnection(asyncio.Protocol):
         ]
         if message.expiration is not None:
             own.append(("expires", str(int(message.expiration * 1000))))
-        block = b"".join(encode_header(k, v) for k, v in own)
-        user = b"".join(
-            encode_header(k, v) for k, v in message.headers.items() if k != "content-length"
+        self._write(
+            encode_message(
+                message.body,
+                self._header_block(own),
+                self._header_block(message.headers.items()),
+            )
         )
-        self._write(encode_message(message.body, block, user))
+
+    def _header_block(self, headers: Iterable[tuple[str, str]]) -> bytes:
+        """Header lines as this connection's version writes them. A sender's header that
+        an older version cannot carry (a CR on 1.1, an EOL on 1.0) is left out."""
+        version = self.version
+        lines = []
+        for name, value in headers:
+            if name == "content-length":
+                continue
+            try:
+                lines.append(encode_header(name, value, version))
+            except ValueError:
+                log.info("header %r cannot be written in STOMP %s: left out", name, version)
+        return b"".join(lines)
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
-    def _error(self, message: str, *, receipt: str | None = None) -> None:
+    def _error(
+        self,
+        message: str,
+        *,
+        receipt: str | None = None,
+        extra: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         """Send an ERROR frame that names the problem, then close (STOMP 1.2)."""
         if self._closing:
             return
-        headers = [("message", message[:1000]), ("content-type", "text/plain")]
+        # One line: a 1.0 client reads header values unescaped.
+        text = message[:1000].replace("\r", " ").replace("\n", " ")
+        headers = [("message", text), ("content-type", "text/plain"), *extra]
         if receipt is not None:
             headers.append(("receipt-id", receipt))
         log.info("stomp error to %s: %s", self.peer, message)
-        self._write(encode(Frame("ERROR", tuple(headers), message.encode())))
+        self._write(encode(Frame("ERROR", tuple(headers), message.encode()), version=self.version))
         # An ERROR ends the session: it is not held for reattach.
         self._explicit_disconnect = True
         self._close()

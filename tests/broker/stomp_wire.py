@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
-from reference_broker.stomp.codec import Frame, FrameParser, Heartbeat, Side, encode
+from hafailover.stomp_frame import Frame, FrameParser, Heartbeat, Side, encode
 
 
 class WireClient:

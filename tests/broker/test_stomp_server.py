@@ -54,12 +54,32 @@ def test_bad_credentials_are_refused(
     assert c.closed()
 
 
-def test_only_stomp_1_2_is_spoken(node: NodeProcess) -> None:
+@pytest.mark.parametrize(
+    ("accept", "version"),
+    [("1.0,1.1", "1.1"), ("1.1,1.2", "1.2"), ("1.0", "1.0"), (None, "1.0"), ("1.2,2.0", "1.2")],
+)
+def test_the_highest_common_version_is_spoken(
+    node: NodeProcess, accept: str | None, version: str
+) -> None:
     c = WireClient(node.stomp_port)
-    c.send("CONNECT", {"accept-version": "1.0,1.1", "login": "admin", "passcode": "admin"})
+    headers = {"login": "admin", "passcode": "admin"}
+    if accept is not None:
+        headers["accept-version"] = accept
+    c.send("CONNECT", headers)
+    frame = c.receive()
+    assert frame.command == "CONNECTED"
+    assert frame.get("version") == version
+    assert (frame.get("heart-beat") is None) == (version == "1.0")  # 1.0 has none
+
+
+def test_no_version_in_common_is_refused_naming_those_spoken(node: NodeProcess) -> None:
+    c = WireClient(node.stomp_port)
+    c.send("CONNECT", {"accept-version": "2.0,3.1", "login": "admin", "passcode": "admin"})
     frame = c.receive()
     assert frame.command == "ERROR"
-    assert "1.2" in (frame.get("message") or "")
+    assert frame.get("version") == "1.0,1.1,1.2"
+    assert "2.0,3.1" in (frame.get("message") or "")
+    assert c.closed()
 
 
 # --- malformed input ---------------------------------------------------------------------

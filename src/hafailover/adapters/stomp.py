@@ -13,7 +13,6 @@ Events are called on stomp.py's receiver thread; the driver must not block in th
 from __future__ import annotations
 
 import contextlib
-import re
 import socket
 import threading
 import time
@@ -27,6 +26,7 @@ from hafailover.adapters.base import Opened, parse_topology
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue
+from hafailover.stomp_frame import encode_frame
 from hafailover.url import BrokerAddress
 
 __all__ = [
@@ -144,25 +144,6 @@ def send_headers(
     if message.persistent and duplicate_detection:
         headers[DUPLICATE_ID] = message_id
     return headers
-
-
-_ESCAPES: Final = str.maketrans({"\\": "\\\\", "\r": "\\r", "\n": "\\n", ":": "\\c"})
-_SPECIAL: Final = re.compile(r"[\\\r\n:]")
-
-
-def _escape(text: str) -> str:
-    return text.translate(_ESCAPES) if _SPECIAL.search(text) else text
-
-
-def encode_frame(command: str, headers: Mapping[str, str], body: bytes = b"") -> bytes:
-    """One STOMP 1.2 frame, headers escaped; content-length is always given for a body,
-    else a broker ends the body at its first NUL byte."""
-    lines = [command]
-    lines.extend(f"{_escape(k)}:{_escape(v)}" for k, v in headers.items() if k != "content-length")
-    if body:
-        lines.append(f"content-length:{len(body)}")
-    lines.append("\n")
-    return "\n".join(lines).encode() + body + b"\x00"
 
 
 def _no_delay(transport: Any) -> None:

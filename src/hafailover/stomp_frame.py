@@ -1,11 +1,17 @@
-"""Sans-IO STOMP 1.2 frame codec: bytes in, frames out; frames in, bytes out.
+"""Sans-IO STOMP frame codec (1.0, 1.1 and 1.2): bytes in, frames out; frames in, bytes out.
 
 Theory of operation
 -------------------
-This module owns the STOMP 1.2 wire format and nothing else. It never does I/O: no sockets,
-threads, clocks or logging. The broker's connection code feeds it whatever bytes arrived and
-gets back complete frames and heart-beats; it hands it frames and gets back bytes to write.
-Session rules (CONNECT first, receipts, subscriptions, transactions) live above it.
+This module owns the STOMP wire format and nothing else; the client (``adapters/stomp.py``)
+and the reference broker both use it. It never does I/O: no sockets, threads, clocks or
+logging. The broker's connection code feeds it whatever bytes arrived and gets back complete
+frames and heart-beats; it hands it frames and gets back bytes to write. Session rules
+(CONNECT first, receipts, subscriptions, transactions, what an ACK names) live above it.
+
+The versions differ here only in header escaping: 1.2 escapes CR, LF, colon and backslash;
+1.1 the same but CR (which it cannot carry); 1.0 nothing (a value may not hold an EOL). The
+parser starts at 1.2 rules, which CONNECT frames do not use anyway, and is told the
+version once it is negotiated (``negotiate_version``).
 
 `FrameParser` is incremental. Its buffer is a bytearray searched with bytearray.find and one
 compiled pattern for the blank line, never walked byte by byte in Python, and each feed resumes
@@ -39,7 +45,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar, Final, TypeAlias, overload
 
 import attrs
@@ -52,6 +58,7 @@ __all__ = [
     "HEARTBEAT",
     "HEARTBEAT_BYTES",
     "SERVER_COMMANDS",
+    "VERSIONS",
     "Event",
     "Frame",
     "FrameParser",
@@ -61,11 +68,13 @@ __all__ = [
     "Side",
     "StompProtocolError",
     "encode",
+    "encode_frame",
     "encode_header",
     "encode_headers",
     "encode_message",
     "format_heart_beat",
     "negotiate_heart_beat",
+    "negotiate_version",
     "parse_heart_beat",
 ]
 
@@ -85,6 +94,8 @@ CLIENT_COMMANDS: Final = frozenset(
     }
 )
 SERVER_COMMANDS: Final = frozenset({"CONNECTED", "MESSAGE", "RECEIPT", "ERROR"})
+# The protocol versions this codec speaks, oldest first.
+VERSIONS: Final = ("1.0", "1.1", "1.2")
 ALL_COMMANDS: Final = CLIENT_COMMANDS | SERVER_COMMANDS
 
 # The frames that may carry a body, and the frames whose headers travel unescaped.
@@ -202,22 +213,44 @@ _BODY: Final = 2
 # scan, several times slower; a separate find for NUL is cheaper.)
 _HEADER_END: Final = re.compile(b"\n\r?\n")
 _ESCAPE_SEQUENCE: Final = re.compile(r"\\(.?)", re.DOTALL)
-_UNESCAPES: Final = {"r": "\r", "n": "\n", "c": ":", "\\": "\\"}
+_UNESCAPES_1_1: Final = {"n": "\n", "c": ":", "\\": "\\"}
+_UNESCAPES: Final = {"1.1": _UNESCAPES_1_1, "1.2": {**_UNESCAPES_1_1, "r": "\r"}}
 
 
-def _unescape_one(match: re.Match[str]) -> str:
-    try:
-        return _UNESCAPES[match.group(1)]
-    except KeyError:
-        char = match.group(1)
-        if not char:
-            raise StompProtocolError("header ends with an incomplete escape sequence") from None
-        shown = char if char.isprintable() else repr(char)[1:-1]
-        raise StompProtocolError(f"undefined escape sequence \\{shown} in a header") from None
+def _unescaper(version: str) -> Callable[[re.Match[str]], str]:
+    table = _UNESCAPES[version]
+
+    def unescape_one(match: re.Match[str]) -> str:
+        try:
+            return table[match.group(1)]
+        except KeyError:
+            char = match.group(1)
+            if not char:
+                raise StompProtocolError("header ends with an incomplete escape sequence") from None
+            shown = char if char.isprintable() else repr(char)[1:-1]
+            raise StompProtocolError(
+                f"undefined escape sequence \\{shown} in a STOMP {version} header"
+            ) from None
+
+    return unescape_one
 
 
-def _unescape(text: str) -> str:
-    return _ESCAPE_SEQUENCE.sub(_unescape_one, text)
+_UNESCAPE_ONE: Final = {version: _unescaper(version) for version in _UNESCAPES}
+
+
+def _unescape(text: str, version: str = "1.2") -> str:
+    return _ESCAPE_SEQUENCE.sub(_UNESCAPE_ONE[version], text)
+
+
+def negotiate_version(accept_version: str | None) -> str | None:
+    """The version a server speaks with a client whose CONNECT said ``accept-version``:
+    the highest both speak; no header means 1.0 (STOMP 1.2, "Protocol Negotiation").
+    None when there is none in common."""
+    if accept_version is None:
+        return "1.0"
+    offered = {v.strip() for v in accept_version.split(",")}
+    common = [v for v in VERSIONS if v in offered]
+    return common[-1] if common else None
 
 
 def _shorten(text: str, limit: int = 40) -> str:
@@ -245,9 +278,19 @@ class FrameParser:
         "_scan",
         "_side",
         "_state",
+        "version",
     )
 
-    def __init__(self, side: Side = Side.SERVER, limits: ParserLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        side: Side = Side.SERVER,
+        limits: ParserLimits = DEFAULT_LIMITS,
+        version: str = "1.2",
+    ) -> None:
+        if version not in VERSIONS:
+            raise ValueError(f"not a STOMP version: {version!r} (speaks {', '.join(VERSIONS)})")
+        # Header escaping follows the negotiated version; set it once it is known.
+        self.version = version
         self._side = side
         self._limits = limits
         accepted = CLIENT_COMMANDS if side is Side.SERVER else SERVER_COMMANDS
@@ -430,7 +473,8 @@ class FrameParser:
             raise StompProtocolError(
                 f"{command} frame has more than {self._limits.max_headers} header lines"
             )
-        unescape = "\\" in text and command not in _RAW_HEADER_COMMANDS
+        version = self.version
+        unescape = "\\" in text and command not in _RAW_HEADER_COMMANDS and version != "1.0"
         headers: list[tuple[str, str]] = []
         append = headers.append
         for line in lines:  # a plain loop: faster than comprehensions on Python 3.11
@@ -438,8 +482,8 @@ class FrameParser:
             if not (colon and name):
                 raise self._bad_header_line(line)
             if unescape and "\\" in line:
-                name = _unescape(name)
-                value = _unescape(value)
+                name = _unescape(name, version)
+                value = _unescape(value, version)
             append((name, value))
         self._headers = tuple(headers)
         if "content-length" in text:  # escaping cannot produce this name, so it is literal
@@ -496,6 +540,40 @@ def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n").replace(":", "\\c")
 
 
+_ESCAPES: Final = str.maketrans({"\\": "\\\\", "\r": "\\r", "\n": "\\n", ":": "\\c"})
+_SPECIAL: Final = re.compile(r"[\\\r\n:]")
+
+
+def _escape_line(name: str, value: str, version: str) -> str:
+    """One header line (no EOL) as ``version`` writes it; ValueError when it cannot."""
+    if version == "1.2":
+        return f"{_escape(name)}:{_escape(value)}"
+    if "\r" in name or "\r" in value:
+        raise ValueError(f"STOMP {version} cannot carry a CR in a header: {_shorten(name)!r}")
+    if version == "1.1":
+        return f"{_escape(name)}:{_escape(value)}"
+    _check_raw_header("STOMP 1.0", name, value)
+    return f"{name}:{value}"
+
+
+def encode_frame(command: str, headers: Mapping[str, str], body: bytes = b"") -> bytes:
+    """A STOMP 1.2 frame from trusted parts: the client's fast path for every frame it
+    writes. Headers are escaped (never CONNECT: the client leaves that to stomp.py) and a
+    body always gets its content-length, else a peer ends it at its first NUL."""
+    lines = [command]
+    for name, value in headers.items():
+        if name == "content-length":
+            continue
+        if _SPECIAL.search(name) or _SPECIAL.search(value):
+            lines.append(f"{name.translate(_ESCAPES)}:{value.translate(_ESCAPES)}")
+        else:
+            lines.append(f"{name}:{value}")
+    if body:
+        lines.append(f"content-length:{len(body)}")
+    lines.append("\n")
+    return "\n".join(lines).encode() + body + b"\x00"
+
+
 def _check_raw_header(command: str, name: str, value: str) -> None:
     if ":" in name or "\r" in name or "\n" in name or "\r" in value or "\n" in value:
         raise ValueError(
@@ -504,8 +582,9 @@ def _check_raw_header(command: str, name: str, value: str) -> None:
         )
 
 
-def encode(frame: Frame, *, content_length: bool = True) -> bytes:
-    """Serialize a frame, escaping headers except in CONNECT, STOMP and CONNECTED.
+def encode(frame: Frame, *, content_length: bool = True, version: str = "1.2") -> bytes:
+    """Serialize a frame, escaping headers (as ``version`` does) except in CONNECT, STOMP and
+    CONNECTED.
 
     With `content_length` (the default) the frame gets a content-length header computed from
     its body: it replaces the first content-length header given and drops the rest, or is
@@ -534,8 +613,10 @@ def encode(frame: Frame, *, content_length: bool = True) -> bytes:
         if raw:
             _check_raw_header(command, name, value)
             append(f"{name}:{value}")
-        else:
+        elif version == "1.2":
             append(f"{_escape(name)}:{_escape(value)}")
+        else:
+            append(_escape_line(name, value, version))
     if content_length:
         if body and not wrote_length:
             append(f"content-length:{len(body)}")
@@ -548,11 +629,15 @@ def encode(frame: Frame, *, content_length: bool = True) -> bytes:
     return b"".join((head.encode("utf-8"), body, b"\x00"))
 
 
-def encode_header(name: str, value: str) -> bytes:
+def encode_header(name: str, value: str, version: str = "1.2") -> bytes:
     """One escaped header line, EOL included, for `encode_message`."""
     if not name:
         raise ValueError("header names may not be empty")
-    line = f"{_escape(name)}:{_escape(value)}\n"
+    line = (
+        f"{_escape(name)}:{_escape(value)}\n"
+        if version == "1.2"
+        else f"{_escape_line(name, value, version)}\n"
+    )
     if "\x00" in line:
         raise ValueError("headers may not hold NUL")
     return line.encode()

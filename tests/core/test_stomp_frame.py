@@ -14,7 +14,7 @@ from stomp import utils as stomp_utils
 from stomp.protocol import Protocol12
 from stomp.transport import BaseTransport
 
-from reference_broker.stomp.codec import (
+from hafailover.stomp_frame import (
     ALL_COMMANDS,
     CLIENT_COMMANDS,
     HEARTBEAT,
