@@ -28,11 +28,13 @@ from hafailover.stomp_frame import (
     Side,
     StompProtocolError,
     encode,
+    encode_frame,
     encode_header,
     encode_headers,
     encode_message,
     format_heart_beat,
     negotiate_heart_beat,
+    negotiate_version,
     parse_heart_beat,
 )
 
@@ -931,3 +933,50 @@ def test_stomp_py_convert_frame_output_is_read() -> None:
     assert parse_all(data) == [
         Frame("SEND", (("content-length", "3"), ("destination", "/q")), b"a\x00b")
     ]
+
+
+# --- versions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("accepted", "spoken"),
+    [(None, "1.0"), ("1.0", "1.0"), ("1.0,1.1", "1.1"), ("1.2, 1.1", "1.2"), ("2.0", None)],
+)
+def test_the_highest_common_version_is_negotiated(accepted: str | None, spoken: str | None) -> None:
+    assert negotiate_version(accepted) == spoken
+
+
+def test_each_version_unescapes_what_it_defines_and_refuses_the_rest() -> None:
+    frame = b"SEND\ndestination:/queue/a\nx:a\\cb\\nc\n\n\x00"
+    for version in ("1.1", "1.2"):
+        parser = FrameParser(Side.SERVER, version=version)
+        (sent,) = parser.feed(frame)
+        assert isinstance(sent, Frame) and sent.get("x") == "a:b\nc"
+    raw = FrameParser(Side.SERVER, version="1.0")
+    (sent,) = raw.feed(frame)
+    assert isinstance(sent, Frame) and sent.get("x") == "a\\cb\\nc"  # 1.0 escapes nothing
+    with pytest.raises(StompProtocolError, match=r"undefined escape sequence \\r in a STOMP 1.1"):
+        FrameParser(Side.SERVER, version="1.1").feed(b"SEND\nx:a\\rb\n\n\x00")
+    with pytest.raises(ValueError, match="not a STOMP version"):
+        FrameParser(Side.SERVER, version="2.0")
+
+
+def test_each_version_escapes_what_it_can_and_refuses_what_it_cannot_carry() -> None:
+    assert encode_header("a:b", "c\nd", "1.1") == b"a\\cb:c\\nd\n"
+    assert encode_header("a", "b:c", "1.0") == b"a:b:c\n"
+    with pytest.raises(ValueError, match=r"STOMP 1\.1 cannot carry a CR"):
+        encode_header("a", "b\rc", "1.1")
+    with pytest.raises(ValueError, match="CR or LF"):
+        encode_header("a", "b\nc", "1.0")
+    frame = Frame("RECEIPT", (("receipt-id", "r:1"),))
+    assert encode(frame, version="1.0") == b"RECEIPT\nreceipt-id:r:1\n\n\x00"
+    assert encode(frame, version="1.2") == b"RECEIPT\nreceipt-id:r\\c1\n\n\x00"
+
+
+def test_the_clients_fast_encoder_writes_what_the_parser_reads() -> None:
+    headers = {"destination": "/queue/a", "odd:name": "line\nbreak\\", "content-length": "9"}
+    data = encode_frame("SEND", headers, b"a\x00b")
+    (sent,) = FrameParser(Side.SERVER).feed(data)
+    assert isinstance(sent, Frame)
+    assert sent.get("odd:name") == "line\nbreak\\"
+    assert sent.body == b"a\x00b" and sent.get("content-length") == "3"
