@@ -49,6 +49,9 @@ class ServeConfig:
     node_id: str = "live"
     # Client addresses announced to clients, this node first: {"stomp": ("h:p", ...), ...}.
     topology: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    # Announce the topology with hafailover's own keys too, beside the standard AMQP
+    # failover-server-list (docs/protocol-topology.md); off only to test other clients' view.
+    topology_extension: bool = True
     # Heart-beat the server offers and wants, in seconds (STOMP heart-beat, AMQP idle-timeout).
     heartbeat: float = 1.0
     # Longest a dropped session is held for reattach, whatever the client asks.

@@ -112,6 +112,7 @@ class NodeConfig:
     lease: float = 1.5
     sync: str = "always"
     allow_failback: bool = True
+    topology_extension: bool = True
     max_connection_ttl: float = 300.0
     segment_size: int = DEFAULT_SEGMENT_SIZE
     checkpoint_segments: int = CHECKPOINT_SEGMENTS
@@ -412,6 +413,7 @@ class Node:
                 heartbeat=config.heartbeat_timeout / 2,
                 max_connection_ttl=config.max_connection_ttl,
                 allow_anonymous=config.allow_anonymous,
+                topology_extension=config.topology_extension,
             ),
             may_serve=self.may_serve,
         )
@@ -884,6 +886,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync", choices=["always", "group", "never"], default="always")
     p.add_argument("--no-failback", action="store_true")
     p.add_argument(
+        "--no-topology-extension",
+        action="store_true",
+        help="announce the AMQP topology only as the standard failover-server-list",
+    )
+    p.add_argument(
         "--segment-size", type=int, default=DEFAULT_SEGMENT_SIZE, help="journal segment bytes"
     )
     p.add_argument(
@@ -922,6 +929,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         lease=args.lease,
         sync=args.sync,
         allow_failback=not args.no_failback,
+        topology_extension=not args.no_topology_extension,
         segment_size=args.segment_size,
         checkpoint_segments=args.checkpoint_segments,
         checkpoint_ratio=args.checkpoint_ratio,

@@ -105,6 +105,7 @@ class BrokerPair:
         lease: float | None = None,
         sync: str = "always",
         allow_failback: bool = True,
+        topology_extension: bool = True,
         ports: tuple[int, int, int, int, int, int] | None = None,
         start_backup: bool = True,
         log_level: str = "INFO",
@@ -122,6 +123,7 @@ class BrokerPair:
         self.lease = lease if lease is not None else 1.5 * heartbeat_timeout
         self.sync = sync
         self.allow_failback = allow_failback
+        self.topology_extension = topology_extension
         self.start_backup = start_backup
         self.log_level = log_level
         # Journal segment bytes and the compaction threshold; None: the node's defaults.
@@ -232,6 +234,8 @@ class BrokerPair:
         ]  # fmt: skip
         if not self.allow_failback:
             command.append("--no-failback")
+        if not self.topology_extension:
+            command.append("--no-topology-extension")
         if self.segment_size is not None:
             command += ["--segment-size", str(self.segment_size)]
         if self.checkpoint_segments is not None:

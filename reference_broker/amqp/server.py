@@ -41,7 +41,9 @@ What it maps (addresses and messages: ``reference_broker.amqp.mapping``):
 Extension, topology announcement (DESIGN F12): the server's Open carries, in its
 properties, the symbol key ``hafailover-topology`` with a list of strings: the client
 addresses ("host:port") of this node and its backup, this node first. A client that knows
-the key may add them to its failover list; any other client ignores it.
+the key may add them to its failover list; any other client ignores it. Beside it, the
+standard key ``failover-server-list`` (as ActiveMQ Artemis sends and Qpid JMS reads): a list
+of maps with ``network-host``, ``hostname``, ``port`` and ``scheme``, one per other node.
 
 Heart-beats: the transport's local idle timeout is twice ``core.config.heartbeat``; proton
 announces half of it in the Open, so a client sends a frame at least every heartbeat
@@ -124,6 +126,21 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TOPOLOGY_PROPERTY: Final = symbol("hafailover-topology")
+FAILOVER_SERVER_LIST: Final = symbol("failover-server-list")
+
+
+def _server_entry(address: str) -> dict[symbol, object]:
+    """One node of the failover-server-list: where a client reaches it."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    return {
+        symbol("network-host"): host,
+        symbol("hostname"): host,
+        symbol("port"): int(port),
+        symbol("scheme"): "amqp",
+    }
+
+
 PRODUCER_CREDIT: Final = 1000
 ANONYMOUS_RELAY: Final = symbol("ANONYMOUS-RELAY")
 PRODUCT: Final = "hafailover-reference-broker/0.1"
@@ -505,10 +522,16 @@ class AmqpConnection(asyncio.Protocol):
             self._arm_abort()
             return
         connection.offered_capabilities = [ANONYMOUS_RELAY]
-        connection.properties = {
+        config = self.core.config
+        announced = config.topology.get("amqp", ())
+        properties: dict[symbol, object] = {
             symbol("product"): PRODUCT,
-            TOPOLOGY_PROPERTY: list(self.core.config.topology.get("amqp", ())),
+            # The standard announcement (ActiveMQ Artemis, Qpid JMS): the other nodes.
+            FAILOVER_SERVER_LIST: [_server_entry(address) for address in announced[1:]],
         }
+        if config.topology_extension:
+            properties[TOPOLOGY_PROPERTY] = list(announced)
+        connection.properties = properties
         connection.open()
         self._engine_connection = self.core.engine.connect()
         if self._paused:

@@ -76,7 +76,7 @@ from proton import (
 from proton.handlers import IOHandler
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from hafailover.adapters.base import Opened, parse_topology
+from hafailover.adapters.base import Opened, parse_failover_server_list, parse_topology
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     CallTimeoutError,
@@ -100,6 +100,7 @@ log = logging.getLogger(__name__)
 
 DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
 TOPOLOGY_PROPERTY: Final = symbol("hafailover-topology")
+FAILOVER_SERVER_LIST: Final = symbol("failover-server-list")
 _PRODUCT: Final = symbol("product")
 
 # Transaction performatives and delivery states (AMQP 1.0 part 4.5).
@@ -1231,7 +1232,13 @@ class AmqpTransport:
             session_id=None,  # AMQP has no reattach extension here
             resumed=False,
             last_received=-1,
-            topology=parse_topology(announced),
+            # hafailover's own key names this node first; the standard list the others.
+            topology=tuple(
+                dict.fromkeys(
+                    parse_topology(announced)
+                    + parse_failover_server_list(properties.get(FAILOVER_SERVER_LIST))
+                )
+            ),
         )
         if opening is not None and not opening.succeed(opened):
             self._abort_now()  # open() gave up already

@@ -9,7 +9,7 @@ import attrs
 
 from hafailover.url import BrokerAddress
 
-__all__ = ["Opened", "parse_topology"]
+__all__ = ["Opened", "parse_failover_server_list", "parse_topology"]
 
 
 @attrs.frozen
@@ -33,4 +33,27 @@ def parse_topology(value: str | None) -> tuple[tuple[str, int], ...]:
             host = host[1:-1]
         if host and port.isdigit():
             endpoints.append((host, int(port)))
+    return tuple(endpoints)
+
+
+def parse_failover_server_list(value: object) -> tuple[tuple[str, int], ...]:
+    """The (host, port) pairs of an AMQP ``failover-server-list`` (the standard
+    announcement of ActiveMQ Artemis, read by Qpid JMS): a list of maps whose keys are
+    symbols or strings, ``network-host`` (else ``hostname``) and ``port`` (5672, or 5671 for
+    the ``amqps`` scheme, when absent). Entries without a host are skipped."""
+    if not isinstance(value, list | tuple):
+        return ()
+    endpoints: list[tuple[str, int]] = []
+    for entry in value:
+        if not isinstance(entry, dict):
+            continue
+        fields = {str(key): item for key, item in entry.items()}
+        host = fields.get("network-host") or fields.get("hostname")
+        if not isinstance(host, str) or not host:
+            continue
+        default = 5671 if str(fields.get("scheme", "")).lower() == "amqps" else 5672
+        port = fields.get("port", default)
+        if isinstance(port, bool) or not isinstance(port, int | str) or not str(port).isdigit():
+            continue
+        endpoints.append((host.strip("[]"), int(port)))
     return tuple(endpoints)
