@@ -40,6 +40,7 @@ bench: $(STAMPS)/venv
 	$(PY) benchmarks/core.py
 	$(PY) benchmarks/broker.py
 	$(PY) benchmarks/client.py
+	$(PY) benchmarks/paths.py
 	$(PY) benchmarks/spark.py
 
 clean:

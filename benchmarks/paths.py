@@ -1,0 +1,492 @@
+"""What applications do, each path against the raw client doing the same, in one run.
+
+Run: .venv/bin/python benchmarks/paths.py [--quick] [--json]
+
+benchmarks/client.py measures the fastest path (pipelined sends). Applications mostly call
+``send()`` and wait, commit small transactions and consume; each of those is measured here
+against a bundled pair (live + synchronized backup, persistent 1 KiB messages), alternated
+with the raw client doing the same thing, best of --repeats:
+
+1. Synchronous confirmed send, one at a time: ``producer.send()`` and
+   ``send_async().result()`` vs stomp.py sending each with a receipt and waiting for it, and
+   vs proton's event-driven sender sending the next message when the last is accepted.
+2. Pipelined confirmed sends: ``send_async`` + ``flush`` vs stomp.py with a receipt per send
+   (counted as they come), and vs proton's event-driven sender (unsettled, as far as credit
+   allows, counting accepted outcomes).
+3. Transactions of 1, 10 and 100 sends: commit latency and messages per second vs stomp.py
+   BEGIN / SEND... / COMMIT with a receipt on the COMMIT. (AMQP commits are measured for
+   hafailover alone: no raw proton transactional sender is set beside them yet.)
+4. Receives of N queued messages in AUTO, CLIENT (acknowledge every 100) and DUPS_OK, with
+   prefetch 100 and 1000, vs a stomp.py listener acknowledging each (client-individual) and
+   vs proton's event-driven receiver accepting each.
+
+Latencies are p50 and p99 in milliseconds; ratios are ours / raw (higher is better for
+rates, lower for latencies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import proton
+import stomp
+from proton.handlers import MessagingHandler
+from proton.reactor import Container
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "src"))
+
+import hafailover  # noqa: E402
+from hafailover import AckMode  # noqa: E402
+from reference_broker.pair import BrokerPair  # noqa: E402
+
+BODY = b"x" * 1024
+PERSISTENT = {"persistent": "true"}
+
+
+def queue_name() -> str:
+    return f"paths-{time.monotonic_ns()}"
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * p // 100))
+    return ordered[int(rank) - 1]
+
+
+class Result:
+    """Messages per second and per-operation latencies (seconds) of one run."""
+
+    def __init__(self, count: int, elapsed: float, latencies: list[float]) -> None:
+        self.rate = count / elapsed
+        self.latencies = latencies
+
+    def p(self, q: float) -> float:
+        return percentile(self.latencies, q) * 1000 if self.latencies else 0.0
+
+
+def best(repeats: int, runs: dict[str, Callable[[], Result]]) -> dict[str, Result]:
+    """Each contender ``repeats`` times, alternated; the run with the best rate kept."""
+    results: dict[str, list[Result]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            results[name].append(run())
+    return {name: max(rs, key=lambda r: r.rate) for name, rs in results.items()}
+
+
+# --- raw stomp.py ----------------------------------------------------------------------------
+
+
+class StompCounter(stomp.ConnectionListener):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.receipts: set[str] = set()
+        self.messages = 0
+        self.condition = threading.Condition()
+        self.connection: Any = None
+        self.ack_each = False
+
+    def on_receipt(self, frame: Any) -> None:
+        with self.condition:
+            self.receipts.add(frame.headers["receipt-id"])
+            self.condition.notify_all()
+
+    def on_message(self, frame: Any) -> None:
+        if self.ack_each:
+            self.connection.ack(frame.headers["ack"])
+        with self.condition:
+            self.messages += 1
+            self.condition.notify_all()
+
+    def wait(self, done: Callable[[], bool], timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        with self.condition:
+            while not done():
+                if not self.condition.wait(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError("the raw stomp.py client got no answer in time")
+
+
+def raw_stomp_connection(port: int) -> tuple[Any, StompCounter]:
+    connection = stomp.Connection12([("127.0.0.1", port)], heartbeats=(0, 0), auto_decode=False)
+    listener = StompCounter()
+    listener.connection = connection
+    connection.set_listener("bench", listener)
+    connection.connect("admin", "admin", wait=True)
+    # The stronger anchor: stock stomp.py leaves Nagle's algorithm on, which costs it about
+    # 40 ms on every COMMIT after SENDs (docs/benchmarks.md); here it has TCP_NODELAY too.
+    connection.transport.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return connection, listener
+
+
+def stomp_sync(port: int, count: int) -> Result:
+    connection, listener = raw_stomp_connection(port)
+    queue = f"/queue/{queue_name()}"
+    latencies = []
+    start = time.perf_counter()
+    for i in range(count):
+        sent = time.perf_counter()
+        receipt = f"r{i}"
+        connection.send(queue, BODY, headers={**PERSISTENT, "receipt": receipt})
+        listener.wait(lambda r=receipt: r in listener.receipts)
+        latencies.append(time.perf_counter() - sent)
+    result = Result(count, time.perf_counter() - start, latencies)
+    connection.disconnect()
+    return result
+
+
+def stomp_pipelined(port: int, count: int) -> Result:
+    connection, listener = raw_stomp_connection(port)
+    queue = f"/queue/{queue_name()}"
+    start = time.perf_counter()
+    for i in range(count):
+        connection.send(queue, BODY, headers={**PERSISTENT, "receipt": f"r{i}"})
+    listener.wait(lambda: len(listener.receipts) >= count)
+    result = Result(count, time.perf_counter() - start, [])
+    connection.disconnect()
+    return result
+
+
+def stomp_transactions(port: int, batches: int, size: int) -> Result:
+    connection, listener = raw_stomp_connection(port)
+    queue = f"/queue/{queue_name()}"
+    latencies = []
+    start = time.perf_counter()
+    for b in range(batches):
+        tx = connection.begin()
+        for _ in range(size):
+            connection.send(queue, BODY, headers=PERSISTENT, transaction=tx)
+        committed = time.perf_counter()
+        connection.commit(tx, headers={"receipt": f"c{b}"})
+        listener.wait(lambda r=f"c{b}": r in listener.receipts)
+        latencies.append(time.perf_counter() - committed)
+    result = Result(batches * size, time.perf_counter() - start, latencies)
+    connection.disconnect()
+    return result
+
+
+def stomp_receive(port: int, queue: str, count: int, prefetch: int) -> Result:
+    connection, listener = raw_stomp_connection(port)
+    listener.ack_each = True
+    start = time.perf_counter()
+    connection.subscribe(
+        f"/queue/{queue}",
+        id="s",
+        ack="client-individual",
+        headers={"prefetch-count": str(prefetch)},
+    )
+    listener.wait(lambda: listener.messages >= count)
+    result = Result(count, time.perf_counter() - start, [])
+    connection.disconnect()
+    return result
+
+
+# --- raw proton (event-driven) ---------------------------------------------------------------
+
+
+class ProtonSender(MessagingHandler):  # type: ignore[misc]
+    def __init__(self, url: str, address: str, count: int, pipelined: bool) -> None:
+        super().__init__()
+        self.url, self.address, self.count, self.pipelined = url, address, count, pipelined
+        self.sent = self.accepted = 0
+        self.sent_at: dict[int, float] = {}
+        self.latencies: list[float] = []
+
+    def on_start(self, event: Any) -> None:
+        connection = event.container.connect(
+            self.url, user="admin", password="admin", allowed_mechs="PLAIN",
+            allow_insecure_mechs=True,
+        )  # fmt: skip
+        event.container.create_sender(connection, self.address)
+
+    def on_sendable(self, event: Any) -> None:
+        self._send(event.sender)
+
+    def _send(self, sender: Any) -> None:
+        while sender.credit and self.sent < self.count:
+            if not self.pipelined and self.sent > self.accepted:
+                return  # one at a time: the next goes when this one is accepted
+            delivery = sender.send(proton.Message(body=BODY, durable=True))
+            self.sent_at[id(delivery)] = time.perf_counter()
+            self.sent += 1
+
+    def on_accepted(self, event: Any) -> None:
+        self.accepted += 1
+        sent = self.sent_at.pop(id(event.delivery), None)
+        if sent is not None:
+            self.latencies.append(time.perf_counter() - sent)
+        if self.accepted >= self.count:
+            event.connection.close()
+        elif not self.pipelined:
+            self._send(event.sender)
+
+
+class ProtonReceiver(MessagingHandler):  # type: ignore[misc]
+    def __init__(self, url: str, address: str, count: int, prefetch: int) -> None:
+        super().__init__(prefetch=prefetch, auto_accept=True)
+        self.url, self.address, self.count = url, address, count
+        self.received = 0
+
+    def on_start(self, event: Any) -> None:
+        connection = event.container.connect(
+            self.url, user="admin", password="admin", allowed_mechs="PLAIN",
+            allow_insecure_mechs=True,
+        )  # fmt: skip
+        event.container.create_receiver(connection, self.address)
+
+    def on_message(self, event: Any) -> None:
+        self.received += 1
+        if self.received >= self.count:
+            event.connection.close()
+
+
+def proton_send(port: int, count: int, *, pipelined: bool) -> Result:
+    address = f"queue://{queue_name()}"
+    handler = ProtonSender(f"amqp://127.0.0.1:{port}", address, count, pipelined)
+    start = time.perf_counter()
+    Container(handler).run()
+    return Result(count, time.perf_counter() - start, handler.latencies)
+
+
+def proton_receive(port: int, queue: str, count: int, prefetch: int) -> Result:
+    handler = ProtonReceiver(f"amqp://127.0.0.1:{port}", f"queue://{queue}", count, prefetch)
+    start = time.perf_counter()
+    Container(handler).run()
+    return Result(count, time.perf_counter() - start, [])
+
+
+# --- the library -----------------------------------------------------------------------------
+
+
+def ours_sync(url: str, count: int, *, how: str) -> Result:
+    with hafailover.connect(url) as connection:
+        producer = connection.create_session().create_producer(f"queue://{queue_name()}")
+        latencies = []
+        start = time.perf_counter()
+        for _ in range(count):
+            sent = time.perf_counter()
+            if how == "send":
+                producer.send(BODY)
+            else:
+                producer.send_async(BODY).result()
+            latencies.append(time.perf_counter() - sent)
+        return Result(count, time.perf_counter() - start, latencies)
+
+
+def ours_pipelined(url: str, count: int) -> Result:
+    with hafailover.connect(url) as connection:
+        producer = connection.create_session().create_producer(f"queue://{queue_name()}")
+        start = time.perf_counter()
+        for _ in range(count):
+            producer.send_async(BODY)
+        producer.flush()
+        return Result(count, time.perf_counter() - start, [])
+
+
+def ours_transactions(url: str, batches: int, size: int) -> Result:
+    with hafailover.connect(url) as connection:
+        session = connection.create_session(AckMode.SESSION_TRANSACTED)
+        producer = session.create_producer(f"queue://{queue_name()}")
+        latencies = []
+        start = time.perf_counter()
+        for _ in range(batches):
+            for _ in range(size):
+                producer.send(BODY)
+            committed = time.perf_counter()
+            session.commit()
+            latencies.append(time.perf_counter() - committed)
+        return Result(batches * size, time.perf_counter() - start, latencies)
+
+
+def ours_receive(url: str, queue: str, count: int, mode: AckMode, prefetch: int) -> Result:
+    with hafailover.connect(url) as connection:
+        session = connection.create_session(mode)
+        consumer = session.create_consumer(f"queue://{queue}", prefetch=prefetch)
+        connection.start()
+        start = time.perf_counter()
+        for n in range(1, count + 1):
+            message = consumer.receive(30)
+            if message is None:
+                raise TimeoutError(f"only {n - 1} of {count} messages arrived")
+            if mode is AckMode.CLIENT and (n % 100 == 0 or n == count):
+                message.acknowledge()
+        return Result(count, time.perf_counter() - start, [])
+
+
+def fill(url: str, queue: str, count: int) -> None:
+    with hafailover.connect(url) as connection:
+        producer = connection.create_session().create_producer(f"queue://{queue}")
+        for _ in range(count):
+            producer.send_async(BODY)
+        producer.flush()
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer messages and one run")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--repeats", type=int, help="alternated runs, best kept (3)")
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    sync_count = 200 if args.quick else 1000
+    pipelined_count = 2000 if args.quick else 10_000
+    receive_count = 2000 if args.quick else 5000
+    rows: list[dict[str, Any]] = []
+
+    def row(path: str, ours: Result, raw: Result, anchor: str, latency: bool = False) -> None:
+        entry: dict[str, Any] = {
+            "path": path,
+            "anchor": anchor,
+            "ours_rate": round(ours.rate, 1),
+            "raw_rate": round(raw.rate, 1),
+            "rate_ratio": round(ours.rate / raw.rate, 2),
+        }
+        if latency:
+            entry.update(
+                ours_p50_ms=round(ours.p(50), 2),
+                ours_p99_ms=round(ours.p(99), 2),
+                raw_p50_ms=round(raw.p(50), 2),
+                raw_p99_ms=round(raw.p(99), 2),
+                p50_ratio=round(ours.p(50) / raw.p(50), 2) if raw.p(50) else None,
+            )
+        rows.append(entry)
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        BrokerPair(Path(tmp) / "pair", heartbeat_timeout=60, log_level="WARNING") as pair,
+    ):
+        pair.wait_synchronized(60)
+        live = pair.live
+        stomp_url, amqp_url = pair.stomp_url, pair.amqp_url
+        sp, ap = live.stomp_port, live.amqp_port
+        # 1. synchronous confirmed sends
+        for protocol, url in (("stomp", stomp_url), ("amqp", amqp_url)):
+            raw: Callable[[], Result] = (
+                (lambda: stomp_sync(sp, sync_count))
+                if protocol == "stomp"
+                else (lambda: proton_send(ap, sync_count, pipelined=False))
+            )
+            anchor = (
+                "stomp.py, a receipt per send waited for"
+                if protocol == "stomp"
+                else "proton event-driven, next send on each acceptance"
+            )
+            for how in ("send", "send_async().result()"):
+                got = best(
+                    repeats,
+                    {
+                        "ours": lambda u=url, h=how: ours_sync(u, sync_count, how=h),
+                        "raw": raw,
+                    },
+                )
+                row(f"{protocol} {how}, one at a time", got["ours"], got["raw"], anchor, True)
+        # 2. pipelined confirmed sends
+        got = best(
+            repeats,
+            {
+                "ours": lambda: ours_pipelined(stomp_url, pipelined_count),
+                "raw": lambda: stomp_pipelined(sp, pipelined_count),
+            },
+        )
+        row("stomp pipelined confirmed", got["ours"], got["raw"], "stomp.py receipts")
+        got = best(
+            repeats,
+            {
+                "ours": lambda: ours_pipelined(amqp_url, pipelined_count // 2),
+                "raw": lambda: proton_send(ap, pipelined_count // 2, pipelined=True),
+            },
+        )
+        row("amqp pipelined confirmed", got["ours"], got["raw"], "proton event-driven")
+        # 3. transactions (raw: STOMP; proton has no event-driven transactional sender here)
+        for size in (1, 10, 100):
+            batches = max(5, (sync_count // 2) // size)
+            got = best(
+                repeats,
+                {
+                    "ours": lambda s=size, b=batches: ours_transactions(stomp_url, b, s),
+                    "raw": lambda s=size, b=batches: stomp_transactions(sp, b, s),
+                },
+            )
+            row(
+                f"stomp commit of {size}",
+                got["ours"],
+                got["raw"],
+                "stomp.py BEGIN/SEND/COMMIT+receipt",
+                True,
+            )
+            ours_amqp = max(
+                (ours_transactions(amqp_url, batches, size) for _ in range(repeats)),
+                key=lambda r: r.rate,
+            )
+            rows.append(
+                {
+                    "path": f"amqp commit of {size}",
+                    "anchor": "none measured",
+                    "ours_rate": round(ours_amqp.rate, 1),
+                    "ours_p50_ms": round(ours_amqp.p(50), 2),
+                    "ours_p99_ms": round(ours_amqp.p(99), 2),
+                }
+            )
+        # 4. receives
+        for protocol, url in (("stomp", stomp_url), ("amqp", amqp_url)):
+            for prefetch in (100, 1000):
+                for mode in (AckMode.AUTO, AckMode.CLIENT, AckMode.DUPS_OK):
+                    count = receive_count if mode is not AckMode.AUTO else receive_count // 4
+
+                    def ours_run(
+                        u: str = url, m: AckMode = mode, c: int = count, f: int = prefetch
+                    ) -> Result:
+                        queue = queue_name()
+                        fill(u, queue, c)
+                        return ours_receive(u, queue, c, m, f)
+
+                    def raw_run(
+                        u: str = url, c: int = count, p: str = protocol, f: int = prefetch
+                    ) -> Result:
+                        queue = queue_name()
+                        fill(u, queue, c)
+                        if p == "stomp":
+                            return stomp_receive(sp, queue, c, f)
+                        return proton_receive(ap, queue, c, f)
+
+                    got = best(repeats, {"ours": ours_run, "raw": raw_run})
+                    anchor = (
+                        "stomp.py listener, client-individual ack each"
+                        if protocol == "stomp"
+                        else "proton event-driven receiver, accept each"
+                    )
+                    row(
+                        f"{protocol} receive {mode.value}, prefetch {prefetch}",
+                        got["ours"],
+                        got["raw"],
+                        anchor,
+                    )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'path':44} {'ours':>10} {'raw':>10} {'ratio':>6}  latency p50/p99 ms (ours | raw)")
+    for entry in rows:
+        raw_rate = f"{entry['raw_rate']:>10,.0f}" if "raw_rate" in entry else f"{'-':>10}"
+        ratio = f"{entry['rate_ratio']:>6.2f}" if "rate_ratio" in entry else f"{'-':>6}"
+        latency = ""
+        if "ours_p50_ms" in entry:
+            latency = f"  {entry['ours_p50_ms']:.2f}/{entry['ours_p99_ms']:.2f}"
+            if "raw_p50_ms" in entry:
+                latency += f" | {entry['raw_p50_ms']:.2f}/{entry['raw_p99_ms']:.2f}"
+        print(f"{entry['path']:44} {entry['ours_rate']:>10,.0f} {raw_rate} {ratio}{latency}")
+    print(f"anchors: {sorted({e['anchor'] for e in rows})}")
+
+
+if __name__ == "__main__":
+    main()
