@@ -408,7 +408,7 @@ def main() -> None:
             },
         )
         row("amqp pipelined confirmed", got["ours"], got["raw"], "proton event-driven")
-        # 3. transactions (raw: STOMP; proton has no event-driven transactional sender here)
+        # 3. transactions (raw: stomp.py; AMQP measured for hafailover alone)
         for size in (1, 10, 100):
             batches = max(5, (sync_count // 2) // size)
             got = best(
