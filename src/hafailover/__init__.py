@@ -16,6 +16,7 @@ from hafailover.connection import (
     Producer,
     SendCompletion,
     Session,
+    TransactionBlock,
     connect,
 )
 from hafailover.destination import Destination, DestinationKind, parse_destination
@@ -89,6 +90,7 @@ __all__ = [
     "Session",
     "SessionFailover",
     "StaleAcknowledgeError",
+    "TransactionBlock",
     "TransactionOutcomeUnknownError",
     "TransactionRolledBackError",
     "UnblockedError",

@@ -16,6 +16,7 @@ from hafailover.driver import (
     Producer,
     SendCompletion,
     Session,
+    TransactionBlock,
     connect,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "Producer",
     "SendCompletion",
     "Session",
+    "TransactionBlock",
     "connect",
 ]

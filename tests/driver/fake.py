@@ -143,6 +143,7 @@ class FakeBroker:
                 resumed=resumed,
                 last_received=last,
                 topology=(),
+                detects_duplicates=self.duplicate_detection,
             )
 
     def _drop_session(self, session: ServerSession) -> None:
@@ -294,6 +295,7 @@ class FakeLink:
     def send(
         self, destination: Destination, message: Message, *, tx: object, token: int | None
     ) -> int:
+        message.ensure_message_id()  # as the adapters do when they encode a send
         stamped = message.persistent and self.policy.duplicate_detection
         frame = Frame("SEND", token, message, destination.name, tx)
         return self._write(frame, replayable=tx is None, resendable=tx is None and stamped)

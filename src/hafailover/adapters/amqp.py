@@ -76,7 +76,12 @@ from proton import (
 from proton.handlers import IOHandler
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from hafailover.adapters.base import Opened, parse_failover_server_list, parse_topology
+from hafailover.adapters.base import (
+    Opened,
+    detects_duplicates,
+    parse_failover_server_list,
+    parse_topology,
+)
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     CallTimeoutError,
@@ -1239,6 +1244,7 @@ class AmqpTransport:
                     + parse_failover_server_list(properties.get(FAILOVER_SERVER_LIST))
                 )
             ),
+            detects_duplicates=detects_duplicates(product),
         )
         if opening is not None and not opening.succeed(opened):
             self._abort_now()  # open() gave up already

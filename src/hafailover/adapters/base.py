@@ -5,11 +5,22 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+from typing import Final
+
 import attrs
 
 from hafailover.url import BrokerAddress
 
-__all__ = ["Opened", "parse_failover_server_list", "parse_topology"]
+__all__ = ["Opened", "detects_duplicates", "parse_failover_server_list", "parse_topology"]
+
+# Brokers known to drop a message whose duplicate id they have stored (DESIGN F13), by the
+# prefix of the name they give in STOMP's CONNECTED ``server`` header or AMQP's ``product``
+# open property. Any other broker is taken not to: a retry could store twice there.
+_DETECTS_DUPLICATES: Final = (
+    "hafailover-reference-broker",
+    "activemq-artemis",
+    "apache-activemq-artemis",
+)
 
 
 @attrs.frozen
@@ -22,6 +33,7 @@ class Opened:
     last_received: int  # with resumed: the last command id the broker received
     topology: tuple[tuple[str, int], ...]  # announced client addresses, empty if none
     reattach_refused: bool = False  # a reattach was asked for and the session is gone
+    detects_duplicates: bool = False  # the broker drops a copy by its duplicate id (F13)
 
 
 def parse_topology(value: str | None) -> tuple[tuple[str, int], ...]:
@@ -57,3 +69,9 @@ def parse_failover_server_list(value: object) -> tuple[tuple[str, int], ...]:
             continue
         endpoints.append((host.strip("[]"), int(port)))
     return tuple(endpoints)
+
+
+def detects_duplicates(product: str) -> bool:
+    """Whether a broker that names itself ``product`` has duplicate detection."""
+    name = product.strip().lower()
+    return any(name.startswith(known) for known in _DETECTS_DUPLICATES)

@@ -22,7 +22,7 @@ from typing import Any, Final, Protocol
 import stomp
 import stomp.exception
 
-from hafailover.adapters.base import Opened, parse_topology
+from hafailover.adapters.base import Opened, detects_duplicates, parse_topology
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue
@@ -282,6 +282,7 @@ class StompTransport:
             last_received=int(connected.get("hafailover-last-received", "-1")),
             topology=parse_topology(connected.get("hafailover-topology")),
             reattach_refused=connected.get("hafailover-reattach") == "refused",
+            detects_duplicates=detects_duplicates(connected.get("server", "")),
         )
 
     def write(self, command: str, headers: Mapping[str, str], body: bytes = b"") -> int:

@@ -18,6 +18,7 @@ from hafailover.driver.events import (
 )
 from hafailover.driver.producer import MAX_MESSAGE_BYTES, Producer
 from hafailover.driver.session import Session
+from hafailover.driver.transactions import TransactionBlock
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -32,5 +33,6 @@ __all__ = [
     "Producer",
     "SendCompletion",
     "Session",
+    "TransactionBlock",
     "connect",
 ]

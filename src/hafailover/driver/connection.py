@@ -181,6 +181,7 @@ class Connection(Calls):
         self._attempts = 0
         self._session_parts: tuple[SessionFailover, ...] = ()
         self._degraded: tuple[str, ...] = ()
+        self._detects_duplicates = False  # the connected broker's duplicate detection
         self._reports: list[FailoverReport] = []
         self._reattached = 0
         self._in_doubt = 0
@@ -203,6 +204,14 @@ class Connection(Calls):
         with self._cond:
             link = self._link
             return link.broker.redacted() if link is not None and self._machine.is_up else None
+
+    @property
+    def broker_detects_duplicates(self) -> bool:
+        """Whether sends carry duplicate ids (the URL's duplicate_detection) and the broker
+        connected to drops a copy by its id: then resending after an unknown outcome, or
+        retrying a transaction with the same messages, stores each message once (F13)."""
+        with self._cond:
+            return self.policy.duplicate_detection and self._detects_duplicates
 
     @property
     def state(self) -> str:
@@ -364,6 +373,7 @@ class Connection(Calls):
             if opened.topology and self.policy.use_topology:
                 self._apply(self._machine.handle(TopologyAnnounced(opened.topology)))
             self._schedule.rotation.connected_to(opened.broker)
+            self._detects_duplicates = opened.detects_duplicates
             if link.windowed:
                 self._session_token = opened.session_id
             if initial:
@@ -371,7 +381,11 @@ class Connection(Calls):
                 self._take_early_deliveries(link)
                 self._apply(self._machine.handle(Connected(opened.broker, link=link.serial)))
                 return
-            self._degraded = () if link.windowed else ("reattach",)
+            self._degraded = (() if link.windowed else ("reattach",)) + (
+                ("duplicate detection",)
+                if self.policy.duplicate_detection and not opened.detects_duplicates
+                else ()
+            )
             plan = self._core.failover(resumed=opened.resumed, last_received=opened.last_received)
             self._session_parts = plan.sessions
             connected = Connected(

@@ -9,13 +9,16 @@ writes the commit or rollback, waits for the broker and says what happened. A mi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
 
 from hafailover.ack_modes import AckMode, AckRules, TransactedAckRules
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.consumer import Consumer
 from hafailover.errors import (
     CallTimeoutError,
+    ConfigurationError,
     DisconnectedError,
     ErrorCode,
     HaFailoverError,
@@ -32,7 +35,10 @@ from hafailover.tx.state import CommitAction, CommitDecision, TxPhase
 if TYPE_CHECKING:
     from hafailover.driver.connection import Connection
 
-__all__ = ["Transactions"]
+__all__ = ["TransactionAttempt", "TransactionBlock", "Transactions"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Transactions:
@@ -56,6 +62,12 @@ class Transactions:
         def _give_back(self, tags: tuple[str, ...]) -> None: ...
 
         def _drop_buffered(self, tags: tuple[str, ...]) -> None: ...
+
+    def transaction(self, *, retries: int = 3) -> TransactionBlock:
+        """A block of transacted work committed at its end and run again, up to
+        ``retries`` more times, when a failover rolled it back (see TransactionBlock)."""
+        self._transacted_rules("transaction")
+        return TransactionBlock(self, retries)
 
     def commit(self) -> None:
         """Commit the transaction; TransactionRolledBackError if failover made it
@@ -341,3 +353,102 @@ class Transactions:
                 return self._tx
 
     # --- failover ---------------------------------------------------------------------------
+
+
+class TransactionAttempt:
+    """One run of a transaction block: a context manager that commits when its block
+    ends, rolls back when the block raises, and notes a commit that may be retried."""
+
+    def __init__(self, session: Transactions, number: int, retry_unknown: bool) -> None:
+        self.session = session
+        self.number = number  # 1 for the first run
+        self._retry_unknown = retry_unknown
+        self.committed = False
+        self.retry_because: HaFailoverError | None = None
+
+    def __enter__(self) -> TransactionAttempt:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, _: object
+    ) -> bool:
+        if error is not None:
+            if isinstance(error, TransactionRolledBackError):
+                self.retry_because = error  # the block's own commit() was rolled back
+                return True
+            self.session.rollback()  # the block failed: nothing of it is kept
+            return False
+        try:
+            self.session.commit()
+        except TransactionRolledBackError as exc:
+            self.retry_because = exc  # F9: a failover made it rollback-only
+            return True
+        except TransactionOutcomeUnknownError as exc:
+            if not self._retry_unknown:
+                raise TransactionOutcomeUnknownError(
+                    f"{exc}; not retried: the broker has no duplicate detection (or the "
+                    "connection stamps no duplicate ids), so running the block again could "
+                    "store its messages twice"
+                ) from exc
+            self.retry_because = exc  # the same messages, the same ids: stored once (F13)
+            return True
+        self.committed = True
+        return False
+
+
+class TransactionBlock:
+    """``session.transaction(retries=N)``: run a block of transacted work, commit it, and
+    run it again when a failover rolled it back (F9), as long as retries are left.
+
+    Iterate for attempts, each a context manager::
+
+        for attempt in session.transaction(retries=3):
+            with attempt:
+                for message in batch:          # the same Message objects every time:
+                    producer.send(message)     # the same duplicate ids (F13)
+
+    or decorate a function, which is then called once per attempt::
+
+        @session.transaction(retries=3)
+        def move() -> None: ...
+
+    A commit whose outcome is unknown is retried only when the broker detects duplicates
+    (``Connection.broker_detects_duplicates``); otherwise TransactionOutcomeUnknownError is
+    raised, since a retry could store twice. An exception from the block rolls the
+    transaction back and propagates; no retry."""
+
+    def __init__(self, session: Transactions, retries: int) -> None:
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigurationError(f"retries must be a whole number >= 0, not {retries!r}")
+        self.session = session
+        self.retries = retries
+
+    def __iter__(self) -> Iterator[TransactionAttempt]:
+        connection = self.session.connection
+        for number in range(1, self.retries + 2):
+            attempt = TransactionAttempt(
+                self.session, number, retry_unknown=connection.broker_detects_duplicates
+            )
+            yield attempt
+            if attempt.committed:
+                return
+            if attempt.retry_because is None:
+                raise IllegalStateError(
+                    "a transaction attempt was not used: run the block in 'with attempt:'"
+                )
+            last = attempt.retry_because
+        raise TransactionRolledBackError(
+            f"the transaction was rolled back {self.retries + 1} time(s); last: {last}"
+        ) from last
+
+    def __call__(self, function: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(function)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            for attempt in self:
+                with attempt:
+                    result = function(*args, **kwargs)
+                if attempt.committed:
+                    return result
+            raise AssertionError("unreachable: the attempts end by committing or raising")
+
+        return run
