@@ -1,7 +1,7 @@
 """`python -m reference_broker`: run a node, run a pair, manage users.
 
     python -m reference_broker run --node-id live --role live ...   one node (see node.py)
-    python -m reference_broker pair up [--data-dir DIR] [--json]   a live and a backup
+    python -m reference_broker pair up [--data-dir DIR] [--tls] [--json]   a live and a backup
     python -m reference_broker user add --users FILE NAME          add or change a user
     python -m reference_broker demo [--amqp]                       the live failover demo
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from reference_broker import node
 from reference_broker.pair import BrokerPair
+from reference_broker.tls import make_certificates
 from reference_broker.users import UsersFile, UsersFileError
 
 
@@ -33,8 +34,19 @@ def _pair_up(argv: list[str]) -> int:
     parser.add_argument("--ports", help="six ports: live stomp,amqp,replication,backup ...")
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--json", action="store_true", help="print the addresses as JSON")
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS listeners, with a throw-away CA and certificates made in the data dir",
+    )
+    parser.add_argument(
+        "--tls-client-auth", action="store_true", help="with --tls: clients must show a certificate"
+    )
     args = parser.parse_args(argv)
+    if args.tls_client_auth and not args.tls:
+        parser.error("--tls-client-auth needs --tls")
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="hafailover-pair-"))
+    tls = make_certificates(data_dir / "tls") if args.tls else None
     ports = None
     if args.ports:
         values = [int(p) for p in args.ports.split(",")]
@@ -50,6 +62,8 @@ def _pair_up(argv: list[str]) -> int:
         password=args.password,
         ports=ports,
         heartbeat_timeout=args.heartbeat_timeout,
+        tls=tls,
+        tls_client_auth=args.tls_client_auth,
     ) as pair:
         description = pair.describe()
         if args.json:
@@ -62,6 +76,8 @@ def _pair_up(argv: list[str]) -> int:
                 )
             print(f"STOMP failover URL: {pair.stomp_url}")
             print(f"AMQP failover URL:  {pair.amqp_url}")
+            if tls is not None:
+                print(f"TLS: the CA that signed the nodes' certificates is {tls.ca}")
             print(f"data and logs in {data_dir}; Ctrl-C stops both nodes", flush=True)
         stop.wait()
     if not args.json:

@@ -77,6 +77,7 @@ from reference_broker.records import (
 from reference_broker.replication import HANDOVER_TIMEOUT, BackupLink, LiveReplicationServer
 from reference_broker.stomp.server import StompConnection
 from reference_broker.store import FencedError, Store, compact_before
+from reference_broker.tls import server_context
 from reference_broker.users import UsersFile
 from reference_broker.witness import Lease, Outcome, Timing, Witness
 
@@ -113,6 +114,14 @@ class NodeConfig:
     sync: str = "always"
     allow_failback: bool = True
     topology_extension: bool = True
+    # TLS on both client listeners: this node's certificate and key; with tls_client_ca,
+    # clients must present a certificate that CA signed (mutual TLS).
+    tls_cert: Path | None = None
+    # The host name clients are told (topology); None: ``host``. Over TLS it must be a name
+    # the certificate gives, which an address may not be.
+    announce_host: str | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
     max_connection_ttl: float = 300.0
     segment_size: int = DEFAULT_SEGMENT_SIZE
     checkpoint_segments: int = CHECKPOINT_SEGMENTS
@@ -125,12 +134,14 @@ class NodeConfig:
         return Timing(lease=self.lease, margin=self.lease / 5, grace=self.lease / 5)
 
     def topology(self) -> dict[str, tuple[str, ...]]:
-        stomp = [f"{self.host}:{self.stomp_port}"]
-        amqp = [f"{self.host}:{self.amqp_port}"]
+        host = self.announce_host or self.host
+        peer = self.announce_host or self.peer_host
+        stomp = [f"{host}:{self.stomp_port}"]
+        amqp = [f"{host}:{self.amqp_port}"]
         if self.peer_stomp_port:
-            stomp.append(f"{self.peer_host}:{self.peer_stomp_port}")
+            stomp.append(f"{peer}:{self.peer_stomp_port}")
         if self.peer_amqp_port:
-            amqp.append(f"{self.peer_host}:{self.peer_amqp_port}")
+            amqp.append(f"{peer}:{self.peer_amqp_port}")
         return {"stomp": tuple(stomp), "amqp": tuple(amqp)}
 
 
@@ -462,15 +473,20 @@ class Node:
             connections.clear()
 
         loop = asyncio.get_running_loop()
+        tls = (
+            server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert is not None and config.tls_key is not None
+            else None
+        )
         try:
             servers.append(
                 await loop.create_server(
-                    stomp_factory, config.host, config.stomp_port, reuse_address=True
+                    stomp_factory, config.host, config.stomp_port, reuse_address=True, ssl=tls
                 )
             )
             servers.append(
                 await loop.create_server(
-                    amqp_factory, config.host, config.amqp_port, reuse_address=True
+                    amqp_factory, config.host, config.amqp_port, reuse_address=True, ssl=tls
                 )
             )
             await replication.start(config.host, config.replication_port)
@@ -885,6 +901,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", type=float, default=1.5)
     p.add_argument("--sync", choices=["always", "group", "never"], default="always")
     p.add_argument("--no-failback", action="store_true")
+    p.add_argument("--tls-cert", type=Path, help="serve clients over TLS with this certificate")
+    p.add_argument("--announce-host", help="the host name clients are told (default: --host)")
+    p.add_argument("--tls-key", type=Path, help="the key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca", type=Path, help="require client certificates signed by this CA"
+    )
     p.add_argument(
         "--no-topology-extension",
         action="store_true",
@@ -930,6 +952,10 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         sync=args.sync,
         allow_failback=not args.no_failback,
         topology_extension=not args.no_topology_extension,
+        tls_cert=args.tls_cert,
+        announce_host=args.announce_host,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         segment_size=args.segment_size,
         checkpoint_segments=args.checkpoint_segments,
         checkpoint_ratio=args.checkpoint_ratio,

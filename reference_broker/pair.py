@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import attrs
 
+from reference_broker.tls import TlsFiles
 from reference_broker.users import UsersFile
 
 __all__ = ["BrokerPair", "NodeProcess", "PairError", "free_ports"]
@@ -106,6 +107,8 @@ class BrokerPair:
         sync: str = "always",
         allow_failback: bool = True,
         topology_extension: bool = True,
+        tls: TlsFiles | None = None,
+        tls_client_auth: bool = False,
         ports: tuple[int, int, int, int, int, int] | None = None,
         start_backup: bool = True,
         log_level: str = "INFO",
@@ -124,6 +127,14 @@ class BrokerPair:
         self.sync = sync
         self.allow_failback = allow_failback
         self.topology_extension = topology_extension
+        # TLS listeners with these files; tls_client_auth: clients must show a certificate.
+        self.tls = tls
+        self.tls_client_auth = tls_client_auth
+        # What clients call the nodes: over TLS a name the certificate gives (proton does not
+        # match an address against a certificate's subjectAltName).
+        self.client_host = "localhost" if tls is not None and host == "127.0.0.1" else host
+        if tls_client_auth and tls is None:
+            raise ValueError("tls_client_auth needs tls files")
         self.start_backup = start_backup
         self.log_level = log_level
         # Journal segment bytes and the compaction threshold; None: the node's defaults.
@@ -236,6 +247,11 @@ class BrokerPair:
             command.append("--no-failback")
         if not self.topology_extension:
             command.append("--no-topology-extension")
+        if self.tls is not None:
+            command += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
+            command += ["--announce-host", self.client_host]
+            if self.tls_client_auth:
+                command += ["--tls-client-ca", str(self.tls.ca)]
         if self.segment_size is not None:
             command += ["--segment-size", str(self.segment_size)]
         if self.checkpoint_segments is not None:
@@ -331,8 +347,17 @@ class BrokerPair:
 
     def _url(self, scheme: str, ports: list[int]) -> str:
         credentials = f"{quote(self.user, safe='')}:{quote(self.password, safe='')}@"
-        brokers = ",".join(f"{scheme}://{credentials}{self.host}:{port}" for port in ports)
-        return f"failover:({brokers})"
+        tls = self.tls
+        if tls is not None:
+            scheme = {"stomp": "stomp+ssl", "amqp": "amqps"}[scheme]
+        brokers = ",".join(f"{scheme}://{credentials}{self.client_host}:{port}" for port in ports)
+        url = f"failover:({brokers})"
+        if tls is not None:
+            url += f"?ssl_ca_file={quote(str(tls.ca), safe='/')}"
+            if self.tls_client_auth:
+                url += f"&ssl_cert_file={quote(str(tls.client_cert), safe='/')}"
+                url += f"&ssl_key_file={quote(str(tls.client_key), safe='/')}"
+        return url
 
     @property
     def stomp_url(self) -> str:
@@ -349,12 +374,13 @@ class BrokerPair:
                     "name": n.name,
                     "role": n.role,
                     "pid": n.process.pid if n.process else None,
-                    "stomp": f"{self.host}:{n.stomp_port}",
-                    "amqp": f"{self.host}:{n.amqp_port}",
+                    "stomp": f"{self.client_host}:{n.stomp_port}",
+                    "amqp": f"{self.client_host}:{n.amqp_port}",
                 }
                 for n in self.nodes
             ],
             "stomp_url": self.stomp_url,
             "amqp_url": self.amqp_url,
             "data_dir": str(self.data_dir),
+            "tls_ca": str(self.tls.ca) if self.tls is not None else None,
         }

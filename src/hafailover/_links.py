@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from hafailover.adapters.amqp import AmqpTransaction, AmqpTransport, Outcome
-from hafailover.adapters.base import Opened
+from hafailover.adapters.base import Opened, TlsOptions
 from hafailover.adapters.stomp import (
     DUPLICATE_ID,
     STOMP_TEMPORARY_PREFIX,
@@ -171,6 +171,7 @@ class StompLink:
         self._tx_names = itertools.count(1)
         self._transport = StompTransport(
             _StompEvents(self),
+            tls=TlsOptions.of(policy),
             heartbeat=policy.heartbeat,
             connect_timeout=max(2.0, policy.heartbeat * 4),
         )
@@ -375,6 +376,7 @@ class AmqpLink:
         self.settles_transacted_work = True
         self._transport = AmqpTransport(
             _AmqpEvents(self),
+            tls=TlsOptions.of(policy),
             heartbeat=policy.heartbeat,
             connect_timeout=max(2.0, policy.heartbeat * 4),
             call_timeout=policy.call_timeout,

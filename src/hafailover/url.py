@@ -19,6 +19,7 @@ so one policy governs the whole list. Option names follow Artemis and Qpid.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 from urllib.parse import quote, unquote
@@ -206,6 +207,20 @@ def _parse_method(text: str) -> FailoverMethod:
     return FailoverMethod(text.strip().lower())
 
 
+def _parse_file(text: str) -> str | None:
+    """A file that must exist now (a certificate or key); empty for none."""
+    path = text.strip()
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {path}")
+    return path
+
+
+def _render_file(value: str | None) -> str:
+    return value or ""
+
+
 _DURATION = tuple(DURATION_UNITS_TEXT)
 _OPTIONS: Final[tuple[_Option, ...]] = (
     _Option(
@@ -252,6 +267,12 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
     ),
     _Option("use_topology", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("duplicate_detection", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
+    # TLS (stomp+ssl://, amqps://): the CA certificates that verify the broker (else the
+    # system's), a client certificate and key for mutual TLS, and an explicit opt-out.
+    _Option("ssl_ca_file", _parse_file, _render_file, ("the path of a PEM file",)),
+    _Option("ssl_cert_file", _parse_file, _render_file, ("the path of a PEM file",)),
+    _Option("ssl_key_file", _parse_file, _render_file, ("the path of a PEM file",)),
+    _Option("ssl_verify", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
 )
 _OPTIONS_BY_NAME: Final[Mapping[str, _Option]] = {o.name: o for o in _OPTIONS}
 # Artemis spells the heartbeat period "client_failure_check_period".
@@ -314,6 +335,10 @@ class FailoverPolicy:
     call_failover_timeout: float | None = None
     use_topology: bool = True
     duplicate_detection: bool = True
+    ssl_ca_file: str | None = None
+    ssl_cert_file: str | None = None
+    ssl_key_file: str | None = None
+    ssl_verify: bool = True
 
     def __attrs_post_init__(self) -> None:
         # Field-level checks ran as the URL was parsed; these span fields, and
@@ -345,6 +370,24 @@ class FailoverPolicy:
                 "sessions before a heartbeat could keep them",
                 option="connection_ttl",
                 accepted=[f">= {format_duration(self.heartbeat)}", "-1"],
+            )
+        given = [
+            name
+            for name in ("ssl_ca_file", "ssl_cert_file", "ssl_key_file")
+            if getattr(self, name) is not None
+        ] + ([] if self.ssl_verify else ["ssl_verify"])
+        if given and not any(b.tls for b in self.brokers):
+            raise InvalidURLError(
+                f"{given[0]} is for TLS brokers, and none of these is",
+                option=given[0],
+                accepted=["stomp+ssl://", "amqps://"],
+            )
+        if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
+            missing = "ssl_key_file" if self.ssl_key_file is None else "ssl_cert_file"
+            raise InvalidURLError(
+                f"mutual TLS needs both ssl_cert_file and ssl_key_file; {missing} is missing",
+                option=missing,
+                accepted=["the path of a PEM file"],
             )
 
     @property

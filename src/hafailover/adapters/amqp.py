@@ -78,6 +78,7 @@ from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from hafailover.adapters.base import (
     Opened,
+    TlsOptions,
     detects_duplicates,
     parse_failover_server_list,
     parse_topology,
@@ -240,10 +241,28 @@ def _condition_error(condition: Condition | None, what: str) -> RemoteError:
     return ProtocolError(f"{what}: refused: {_condition_text(condition)}")
 
 
+def _client_domain(tls: TlsOptions, broker: BrokerAddress) -> SSLDomain:
+    """proton's TLS settings for one amqps link."""
+    domain = SSLDomain(SSLDomain.MODE_CLIENT)
+    if tls.ca_file is not None:
+        domain.set_trusted_ca_db(tls.ca_file)
+    if tls.verify:
+        domain.set_peer_authentication(SSLDomain.VERIFY_PEER_NAME, tls.ca_file)
+    else:
+        log.warning("TLS to %s: the broker's certificate is not verified", broker.redacted())
+        domain.set_peer_authentication(SSLDomain.ANONYMOUS_PEER)
+    if tls.cert_file is not None and tls.key_file is not None:
+        domain.set_credentials(tls.cert_file, tls.key_file, None)
+    return domain
+
+
 def _refusal(condition: Condition | None, broker: str) -> RemoteError:
-    """Why an open failed: a refused login, or no connection."""
+    """Why an open failed: a refused login, a TLS handshake that failed (a configuration
+    matter: retrying cannot fix it), or no connection."""
     if condition is not None and condition.name == _UNAUTHORIZED:
         return SecurityError(f"{broker} refused the login: {_condition_text(condition)}")
+    if condition is not None and "SSL" in (condition.description or ""):
+        return SecurityError(f"TLS with {broker} failed: {_condition_text(condition)}")
     return NotConnectedError(f"cannot connect to {broker}: {_condition_text(condition)}")
 
 
@@ -531,18 +550,18 @@ class AmqpTransport:
         heartbeat: float = 1.0,
         connect_timeout: float = 5.0,
         call_timeout: float = 30.0,
-        tls_ca_file: str | None = None,
+        tls: TlsOptions | None = None,
     ) -> None:
         """``heartbeat``: the broker is declared dead after twice this many seconds of
         silence; the Open asks it to send something at least every ``heartbeat`` seconds
         (0 turns both off). ``connect_timeout`` bounds ``open``, ``call_timeout`` the other
-        blocking calls unless they are given a timeout. ``tls_ca_file``: the certificates
-        to trust for amqps (else the system's)."""
+        blocking calls unless they are given a timeout. ``tls``: how amqps checks the broker
+        (the system's CAs and its host name by default) and shows itself."""
         self.events = events
         self.heartbeat = heartbeat
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
-        self.tls_ca_file = tls_ca_file
+        self.tls = tls or TlsOptions()
         self.broker: BrokerAddress | None = None
         self._serial = next(_TRANSPORT_SERIALS)
         # Shared with application threads, under _lock.
@@ -611,10 +630,7 @@ class AmqpTransport:
     def _start(self, broker: BrokerAddress) -> None:
         ssl_domain: SSLDomain | None = None
         if broker.tls:
-            ssl_domain = SSLDomain(SSLDomain.MODE_CLIENT)
-            # A client domain verifies the peer's certificate and name by default.
-            if self.tls_ca_file is not None:
-                ssl_domain.set_trusted_ca_db(self.tls_ca_file)
+            ssl_domain = _client_domain(self.tls, broker)
         host = f"[{broker.host}]" if ":" in broker.host else broker.host
         options: dict[str, Any] = {
             "sasl_enabled": True,

@@ -9,9 +9,15 @@ from typing import Final
 
 import attrs
 
-from hafailover.url import BrokerAddress
+from hafailover.url import BrokerAddress, FailoverPolicy
 
-__all__ = ["Opened", "detects_duplicates", "parse_failover_server_list", "parse_topology"]
+__all__ = [
+    "Opened",
+    "TlsOptions",
+    "detects_duplicates",
+    "parse_failover_server_list",
+    "parse_topology",
+]
 
 # Brokers known to drop a message whose duplicate id they have stored (DESIGN F13), by the
 # prefix of the name they give in STOMP's CONNECTED ``server`` header or AMQP's ``product``
@@ -21,6 +27,20 @@ _DETECTS_DUPLICATES: Final = (
     "activemq-artemis",
     "apache-activemq-artemis",
 )
+
+
+@attrs.frozen
+class TlsOptions:
+    """How a TLS link checks the broker and shows itself (the URL's ssl_* options)."""
+
+    ca_file: str | None = None  # the CAs that verify the broker; None: the system's
+    cert_file: str | None = None  # a client certificate, for mutual TLS
+    key_file: str | None = None
+    verify: bool = True  # the broker's certificate and host name are checked
+
+    @classmethod
+    def of(cls, policy: FailoverPolicy) -> TlsOptions:
+        return cls(policy.ssl_ca_file, policy.ssl_cert_file, policy.ssl_key_file, policy.ssl_verify)
 
 
 @attrs.frozen

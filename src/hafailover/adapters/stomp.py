@@ -13,7 +13,9 @@ Events are called on stomp.py's receiver thread; the driver must not block in th
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,12 +24,14 @@ from typing import Any, Final, Protocol
 import stomp
 import stomp.exception
 
-from hafailover.adapters.base import Opened, detects_duplicates, parse_topology
+from hafailover.adapters.base import Opened, TlsOptions, detects_duplicates, parse_topology
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue
 from hafailover.stomp_frame import encode_frame
 from hafailover.url import BrokerAddress
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "STOMP_TEMPORARY_PREFIX",
@@ -146,6 +150,47 @@ def send_headers(
     return headers
 
 
+def _check_handshake(broker: BrokerAddress, tls: TlsOptions, timeout: float) -> None:
+    """Shake hands as stomp.py would; raise SecurityError naming why TLS failed, if it does
+    (a certificate or host name the client refuses, a certificate the broker wants)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if tls.ca_file is not None:
+        context.load_verify_locations(tls.ca_file)
+    else:
+        context.load_default_certs()
+    if not tls.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if tls.cert_file is not None:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    try:
+        with (
+            socket.create_connection((broker.host, broker.port), timeout) as raw,
+            context.wrap_socket(raw, server_hostname=broker.host) as wrapped,
+        ):
+            wrapped.recv(1)  # a broker that wants a client certificate says so here
+    except ssl.SSLCertVerificationError as exc:
+        raise SecurityError(
+            f"TLS with {broker.redacted()} refused: {exc.verify_message or exc.reason}"
+        ) from exc
+    except ssl.SSLError as exc:
+        raise SecurityError(f"TLS with {broker.redacted()} failed: {exc.reason or exc}") from exc
+    except OSError:
+        return  # not a TLS matter: the broker is not there
+
+
+def _put(transport: Any, data: bytes) -> None:
+    """Write bytes the way stomp.py's transport wants them. stomp.py's own path (listeners,
+    Frame objects, its encoder) costs more than the rest of a send, so frames go straight to
+    its socket, under its socket lock; but over TLS its reader thread owns the (non-blocking)
+    socket and writes what is queued for it, since an SSL socket may not be written and
+    read by two threads at once."""
+    if transport.blocking:
+        transport.send(data)
+    else:
+        transport.send_queue.put(data)
+
+
 def _no_delay(transport: Any) -> None:
     """Send each write at once. stomp.py leaves Nagle's algorithm on, so a small frame
     written while an earlier one is unacknowledged (a receipt sync after receipt-less
@@ -209,8 +254,10 @@ class StompTransport:
         *,
         heartbeat: float = 1.0,
         connect_timeout: float = 5.0,
+        tls: TlsOptions | None = None,
     ) -> None:
         self.events = events
+        self.tls = tls or TlsOptions()
         self.heartbeat = heartbeat
         self.connect_timeout = connect_timeout
         self.broker: BrokerAddress | None = None
@@ -244,7 +291,18 @@ class StompTransport:
             vhost="/",
         )
         if broker.tls:
-            connection.set_ssl([(broker.host, broker.port)])
+            tls = self.tls
+            if not tls.verify:
+                log.warning(
+                    "TLS to %s: the broker's certificate is not verified", broker.redacted()
+                )
+            connection.set_ssl(
+                [(broker.host, broker.port)],
+                key_file=tls.key_file,
+                cert_file=tls.cert_file,
+                ca_certs=tls.ca_file,
+                verify=tls.verify,
+            )
         # stomp.py guards its socket with a BoundedSemaphore, written in Python and about a
         # third of the cost of a small send; a Lock gives the same exclusion in C.
         transport = connection.transport
@@ -259,8 +317,15 @@ class StompTransport:
             headers["hafailover-ttl"] = str(ttl_ms if connection_ttl is not None else 2**31 - 1)
         if reattach is not None:
             headers["hafailover-reattach"] = reattach
-        with _map_errors(broker):
-            connection.connect(broker.user, broker.password, wait=False, headers=headers)
+        try:
+            with _map_errors(broker):
+                connection.connect(broker.user, broker.password, wait=False, headers=headers)
+        except NotConnectedError:
+            if broker.tls:
+                # stomp.py keeps a failed handshake's reason to itself: find it out, so that
+                # a certificate problem says so (and is not retried as a lost broker).
+                _check_handshake(broker, self.tls, self.connect_timeout)
+            raise
         _no_delay(connection.transport)
         if not self._opened.wait(self.connect_timeout):
             self.abort()
@@ -292,9 +357,7 @@ class StompTransport:
             raise NotConnectedError("the transport is not open")
         frame = encode_frame(command, headers, body)
         with _map_errors(self.broker):
-            # stomp.py's own path (listeners, Frame objects, its encoder) costs more than
-            # the rest of a send; its transport's send() keeps its socket lock.
-            connection.transport.send(frame)
+            _put(connection.transport, frame)
         return len(frame)
 
     def write_frames(self, frames: Sequence[tuple[str, Mapping[str, str], bytes]]) -> list[int]:
@@ -305,7 +368,7 @@ class StompTransport:
             raise NotConnectedError("the transport is not open")
         encoded = [encode_frame(command, headers, body) for command, headers, body in frames]
         with _map_errors(self.broker):
-            connection.transport.send(b"".join(encoded))
+            _put(connection.transport, b"".join(encoded))
         return [len(frame) for frame in encoded]
 
     def close(self) -> None:
