@@ -46,11 +46,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
-import hafailover  # noqa: E402
 from hafailover import AckMode  # noqa: E402
+from hafailover.tools.paths import (  # noqa: E402
+    PathResult,
+    fill,
+    receive,
+    send_one_at_a_time,
+    send_pipelined,
+    transactions,
+)
 from reference_broker.pair import BrokerPair  # noqa: E402
 
-BODY = b"x" * 1024
+BODY = b"x" * 1024  # as hafailover.tools.paths sends
 PERSISTENT = {"persistent": "true"}
 
 
@@ -58,26 +65,9 @@ def queue_name() -> str:
     return f"paths-{time.monotonic_ns()}"
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * p // 100))
-    return ordered[int(rank) - 1]
-
-
-class Result:
-    """Messages per second and per-operation latencies (seconds) of one run."""
-
-    def __init__(self, count: int, elapsed: float, latencies: list[float]) -> None:
-        self.rate = count / elapsed
-        self.latencies = latencies
-
-    def p(self, q: float) -> float:
-        return percentile(self.latencies, q) * 1000 if self.latencies else 0.0
-
-
-def best(repeats: int, runs: dict[str, Callable[[], Result]]) -> dict[str, Result]:
+def best(repeats: int, runs: dict[str, Callable[[], PathResult]]) -> dict[str, PathResult]:
     """Each contender ``repeats`` times, alternated; the run with the best rate kept."""
-    results: dict[str, list[Result]] = {name: [] for name in runs}
+    results: dict[str, list[PathResult]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             results[name].append(run())
@@ -127,7 +117,7 @@ def raw_stomp_connection(port: int) -> tuple[Any, StompCounter]:
     return connection, listener
 
 
-def stomp_sync(port: int, count: int) -> Result:
+def stomp_sync(port: int, count: int) -> PathResult:
     connection, listener = raw_stomp_connection(port)
     queue = f"/queue/{queue_name()}"
     latencies = []
@@ -138,24 +128,24 @@ def stomp_sync(port: int, count: int) -> Result:
         connection.send(queue, BODY, headers={**PERSISTENT, "receipt": receipt})
         listener.wait(lambda r=receipt: r in listener.receipts)
         latencies.append(time.perf_counter() - sent)
-    result = Result(count, time.perf_counter() - start, latencies)
+    result = PathResult(count, time.perf_counter() - start, tuple(latencies))
     connection.disconnect()
     return result
 
 
-def stomp_pipelined(port: int, count: int) -> Result:
+def stomp_pipelined(port: int, count: int) -> PathResult:
     connection, listener = raw_stomp_connection(port)
     queue = f"/queue/{queue_name()}"
     start = time.perf_counter()
     for i in range(count):
         connection.send(queue, BODY, headers={**PERSISTENT, "receipt": f"r{i}"})
     listener.wait(lambda: len(listener.receipts) >= count)
-    result = Result(count, time.perf_counter() - start, [])
+    result = PathResult(count, time.perf_counter() - start)
     connection.disconnect()
     return result
 
 
-def stomp_transactions(port: int, batches: int, size: int) -> Result:
+def stomp_transactions(port: int, batches: int, size: int) -> PathResult:
     connection, listener = raw_stomp_connection(port)
     queue = f"/queue/{queue_name()}"
     latencies = []
@@ -168,12 +158,12 @@ def stomp_transactions(port: int, batches: int, size: int) -> Result:
         connection.commit(tx, headers={"receipt": f"c{b}"})
         listener.wait(lambda r=f"c{b}": r in listener.receipts)
         latencies.append(time.perf_counter() - committed)
-    result = Result(batches * size, time.perf_counter() - start, latencies)
+    result = PathResult(batches * size, time.perf_counter() - start, tuple(latencies))
     connection.disconnect()
     return result
 
 
-def stomp_receive(port: int, queue: str, count: int, prefetch: int) -> Result:
+def stomp_receive(port: int, queue: str, count: int, prefetch: int) -> PathResult:
     connection, listener = raw_stomp_connection(port)
     listener.ack_each = True
     start = time.perf_counter()
@@ -184,7 +174,7 @@ def stomp_receive(port: int, queue: str, count: int, prefetch: int) -> Result:
         headers={"prefetch-count": str(prefetch)},
     )
     listener.wait(lambda: listener.messages >= count)
-    result = Result(count, time.perf_counter() - start, [])
+    result = PathResult(count, time.perf_counter() - start)
     connection.disconnect()
     return result
 
@@ -248,85 +238,19 @@ class ProtonReceiver(MessagingHandler):  # type: ignore[misc]
             event.connection.close()
 
 
-def proton_send(port: int, count: int, *, pipelined: bool) -> Result:
+def proton_send(port: int, count: int, *, pipelined: bool) -> PathResult:
     address = f"queue://{queue_name()}"
     handler = ProtonSender(f"amqp://127.0.0.1:{port}", address, count, pipelined)
     start = time.perf_counter()
     Container(handler).run()
-    return Result(count, time.perf_counter() - start, handler.latencies)
+    return PathResult(count, time.perf_counter() - start, tuple(handler.latencies))
 
 
-def proton_receive(port: int, queue: str, count: int, prefetch: int) -> Result:
+def proton_receive(port: int, queue: str, count: int, prefetch: int) -> PathResult:
     handler = ProtonReceiver(f"amqp://127.0.0.1:{port}", f"queue://{queue}", count, prefetch)
     start = time.perf_counter()
     Container(handler).run()
-    return Result(count, time.perf_counter() - start, [])
-
-
-# --- the library -----------------------------------------------------------------------------
-
-
-def ours_sync(url: str, count: int, *, how: str) -> Result:
-    with hafailover.connect(url) as connection:
-        producer = connection.create_session().create_producer(f"queue://{queue_name()}")
-        latencies = []
-        start = time.perf_counter()
-        for _ in range(count):
-            sent = time.perf_counter()
-            if how == "send":
-                producer.send(BODY)
-            else:
-                producer.send_async(BODY).result()
-            latencies.append(time.perf_counter() - sent)
-        return Result(count, time.perf_counter() - start, latencies)
-
-
-def ours_pipelined(url: str, count: int) -> Result:
-    with hafailover.connect(url) as connection:
-        producer = connection.create_session().create_producer(f"queue://{queue_name()}")
-        start = time.perf_counter()
-        for _ in range(count):
-            producer.send_async(BODY)
-        producer.flush()
-        return Result(count, time.perf_counter() - start, [])
-
-
-def ours_transactions(url: str, batches: int, size: int) -> Result:
-    with hafailover.connect(url) as connection:
-        session = connection.create_session(AckMode.SESSION_TRANSACTED)
-        producer = session.create_producer(f"queue://{queue_name()}")
-        latencies = []
-        start = time.perf_counter()
-        for _ in range(batches):
-            for _ in range(size):
-                producer.send(BODY)
-            committed = time.perf_counter()
-            session.commit()
-            latencies.append(time.perf_counter() - committed)
-        return Result(batches * size, time.perf_counter() - start, latencies)
-
-
-def ours_receive(url: str, queue: str, count: int, mode: AckMode, prefetch: int) -> Result:
-    with hafailover.connect(url) as connection:
-        session = connection.create_session(mode)
-        consumer = session.create_consumer(f"queue://{queue}", prefetch=prefetch)
-        connection.start()
-        start = time.perf_counter()
-        for n in range(1, count + 1):
-            message = consumer.receive(30)
-            if message is None:
-                raise TimeoutError(f"only {n - 1} of {count} messages arrived")
-            if mode is AckMode.CLIENT and (n % 100 == 0 or n == count):
-                message.acknowledge()
-        return Result(count, time.perf_counter() - start, [])
-
-
-def fill(url: str, queue: str, count: int) -> None:
-    with hafailover.connect(url) as connection:
-        producer = connection.create_session().create_producer(f"queue://{queue}")
-        for _ in range(count):
-            producer.send_async(BODY)
-        producer.flush()
+    return PathResult(count, time.perf_counter() - start)
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -344,7 +268,9 @@ def main() -> None:
     receive_count = 2000 if args.quick else 5000
     rows: list[dict[str, Any]] = []
 
-    def row(path: str, ours: Result, raw: Result, anchor: str, latency: bool = False) -> None:
+    def row(
+        path: str, ours: PathResult, raw: PathResult, anchor: str, latency: bool = False
+    ) -> None:
         entry: dict[str, Any] = {
             "path": path,
             "anchor": anchor,
@@ -372,7 +298,7 @@ def main() -> None:
         sp, ap = live.stomp_port, live.amqp_port
         # 1. synchronous confirmed sends
         for protocol, url in (("stomp", stomp_url), ("amqp", amqp_url)):
-            raw: Callable[[], Result] = (
+            raw: Callable[[], PathResult] = (
                 (lambda: stomp_sync(sp, sync_count))
                 if protocol == "stomp"
                 else (lambda: proton_send(ap, sync_count, pipelined=False))
@@ -386,7 +312,9 @@ def main() -> None:
                 got = best(
                     repeats,
                     {
-                        "ours": lambda u=url, h=how: ours_sync(u, sync_count, how=h),
+                        "ours": lambda u=url, h=how: send_one_at_a_time(
+                            u, sync_count, wait_on_completion=h != "send"
+                        ),
                         "raw": raw,
                     },
                 )
@@ -395,7 +323,7 @@ def main() -> None:
         got = best(
             repeats,
             {
-                "ours": lambda: ours_pipelined(stomp_url, pipelined_count),
+                "ours": lambda: send_pipelined(stomp_url, pipelined_count),
                 "raw": lambda: stomp_pipelined(sp, pipelined_count),
             },
         )
@@ -403,7 +331,7 @@ def main() -> None:
         got = best(
             repeats,
             {
-                "ours": lambda: ours_pipelined(amqp_url, pipelined_count // 2),
+                "ours": lambda: send_pipelined(amqp_url, pipelined_count // 2),
                 "raw": lambda: proton_send(ap, pipelined_count // 2, pipelined=True),
             },
         )
@@ -414,7 +342,7 @@ def main() -> None:
             got = best(
                 repeats,
                 {
-                    "ours": lambda s=size, b=batches: ours_transactions(stomp_url, b, s),
+                    "ours": lambda s=size, b=batches: transactions(stomp_url, b, s),
                     "raw": lambda s=size, b=batches: stomp_transactions(sp, b, s),
                 },
             )
@@ -426,7 +354,7 @@ def main() -> None:
                 True,
             )
             ours_amqp = max(
-                (ours_transactions(amqp_url, batches, size) for _ in range(repeats)),
+                (transactions(amqp_url, batches, size) for _ in range(repeats)),
                 key=lambda r: r.rate,
             )
             rows.append(
@@ -446,14 +374,14 @@ def main() -> None:
 
                     def ours_run(
                         u: str = url, m: AckMode = mode, c: int = count, f: int = prefetch
-                    ) -> Result:
+                    ) -> PathResult:
                         queue = queue_name()
                         fill(u, queue, c)
-                        return ours_receive(u, queue, c, m, f)
+                        return receive(u, queue, c, m, f)
 
                     def raw_run(
                         u: str = url, c: int = count, p: str = protocol, f: int = prefetch
-                    ) -> Result:
+                    ) -> PathResult:
                         queue = queue_name()
                         fill(u, queue, c)
                         if p == "stomp":

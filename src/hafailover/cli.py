@@ -26,6 +26,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from hafailover.errors import ConfigurationError
 from hafailover.url import parse_url
 
@@ -235,6 +237,34 @@ def _cmd_consumer(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _cmd_paths(args: argparse.Namespace) -> int:
+    from hafailover.tools._common import check_url
+    from hafailover.tools.paths import run_paths
+
+    policy = check_url(args.url)
+    if args.user is not None or args.password is not None:
+        # As connect() does: for the brokers whose URL names no user.
+        policy = attrs.evolve(
+            policy,
+            brokers=tuple(
+                b if b.user is not None else attrs.evolve(b, user=args.user, password=args.password)
+                for b in policy.brokers
+            ),
+        )
+    rows = run_paths(policy, quick=args.quick)
+    if args.json:
+        print(json.dumps(rows), flush=True)
+        return 0
+    for entry in rows:
+        latency = (
+            f"  p50 {entry['p50_ms']:.2f} ms  p99 {entry['p99_ms']:.2f} ms"
+            if "p50_ms" in entry
+            else ""
+        )
+        print(f"{entry['path']:40} {entry['rate']:>10,.0f} msg/s{latency}")
+    return 0
+
+
 def _cmd_browser(args: argparse.Namespace) -> int:
     from hafailover.tools import BrowserOptions, run_browser
 
@@ -270,7 +300,9 @@ def _add_client_commands(commands: Any) -> None:
     browser.add_argument("--destination", default="queue://TEST", help="default: queue://TEST")
     browser.add_argument("--json", action="store_true", help="print the result as JSON")
     browser.set_defaults(run=_cmd_browser)
-    perf = commands.add_parser("perf", help="throughput: perf producer | perf consumer")
+    perf = commands.add_parser(
+        "perf", help="throughput: perf producer | perf consumer | perf paths"
+    )
     kinds = perf.add_subparsers(dest="perf_command", required=True)
     perf_producer = kinds.add_parser("producer", help="send as fast as confirmations allow")
     _producer_options(perf_producer, perf=True)
@@ -278,6 +310,14 @@ def _add_client_commands(commands: Any) -> None:
     perf_consumer = kinds.add_parser("consumer", help="receive as fast as the broker delivers")
     _consumer_options(perf_consumer, perf=True)
     perf_consumer.set_defaults(run=_cmd_consumer)
+    paths = kinds.add_parser(
+        "paths",
+        help="every path applications use: send() one at a time, pipelined, commits, receives",
+    )
+    _connection_options(paths)
+    paths.add_argument("--quick", action="store_true", help="fewer messages")
+    paths.add_argument("--json", action="store_true", help="print the rows as JSON")
+    paths.set_defaults(run=_cmd_paths)
 
 
 def build_parser() -> argparse.ArgumentParser:
