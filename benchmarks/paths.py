@@ -182,6 +182,12 @@ def stomp_receive(port: int, queue: str, count: int, prefetch: int) -> PathResul
 # --- raw proton (event-driven) ---------------------------------------------------------------
 
 
+def proton_connect(event: Any, url: str) -> Any:
+    return event.container.connect(
+        url, user="admin", password="admin", allowed_mechs="PLAIN", allow_insecure_mechs=True
+    )
+
+
 class ProtonSender(MessagingHandler):  # type: ignore[misc]
     def __init__(self, url: str, address: str, count: int, pipelined: bool) -> None:
         super().__init__()
@@ -191,11 +197,7 @@ class ProtonSender(MessagingHandler):  # type: ignore[misc]
         self.latencies: list[float] = []
 
     def on_start(self, event: Any) -> None:
-        connection = event.container.connect(
-            self.url, user="admin", password="admin", allowed_mechs="PLAIN",
-            allow_insecure_mechs=True,
-        )  # fmt: skip
-        event.container.create_sender(connection, self.address)
+        event.container.create_sender(proton_connect(event, self.url), self.address)
 
     def on_sendable(self, event: Any) -> None:
         self._send(event.sender)
@@ -226,11 +228,7 @@ class ProtonReceiver(MessagingHandler):  # type: ignore[misc]
         self.received = 0
 
     def on_start(self, event: Any) -> None:
-        connection = event.container.connect(
-            self.url, user="admin", password="admin", allowed_mechs="PLAIN",
-            allow_insecure_mechs=True,
-        )  # fmt: skip
-        event.container.create_receiver(connection, self.address)
+        event.container.create_receiver(proton_connect(event, self.url), self.address)
 
     def on_message(self, event: Any) -> None:
         self.received += 1

@@ -3,36 +3,7 @@
 The threaded driver lives in ``hafailover.driver``; this module only re-exports it.
 """
 
-from hafailover.driver import (
-    MAX_MESSAGE_BYTES,
-    Browser,
-    Connection,
-    ConnectionEvent,
-    ConnectionStatistics,
-    Consumer,
-    FailoverCompleted,
-    FailoverFailed,
-    FailureDetected,
-    Producer,
-    SendCompletion,
-    Session,
-    TransactionBlock,
-    connect,
-)
+from hafailover import driver
+from hafailover.driver import *  # noqa: F403 - the same names, by design
 
-__all__ = [
-    "MAX_MESSAGE_BYTES",
-    "Browser",
-    "Connection",
-    "ConnectionEvent",
-    "ConnectionStatistics",
-    "Consumer",
-    "FailoverCompleted",
-    "FailoverFailed",
-    "FailureDetected",
-    "Producer",
-    "SendCompletion",
-    "Session",
-    "TransactionBlock",
-    "connect",
-]
+__all__ = driver.__all__
