@@ -24,6 +24,8 @@ from hafailover.errors import (
     ConnectionClosedError,
     HaFailoverError,
     IllegalStateError,
+    NotConnectedError,
+    UnblockedError,
 )
 from hafailover.failover import Admission
 from hafailover.message import Message
@@ -100,7 +102,11 @@ class Consumer:
         except BaseException as exc:
             with connection._cond:
                 self._on_link = 0
-                if isinstance(exc, HaFailoverError):
+                if isinstance(exc, HaFailoverError) and not isinstance(
+                    exc, NotConnectedError | UnblockedError
+                ):
+                    # Refused or timed out: no answer will come. A lost link's calls are
+                    # the failover's to settle, as every other call cut by the loss.
                     connection._abandon(token, exc)
             raise
         if not link.calls_block:
