@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from hafailover.failover import Connected, FailoverMachine, Lost
+from hafailover.failover import Connected, FailoverMachine, Lost, Restored
 from hafailover.url import BrokerAddress
 from hafailover.window import ConfirmationWindow
 
@@ -68,11 +68,13 @@ def failover_transitions(cycles: int) -> float:
     machine.handle(Connected(live))
     lost = Lost("reset")
     back = Connected(live, resumed=True)
+    restored = Restored()
     start = time.perf_counter()
     for _ in range(cycles):
         machine.handle(lost)
         machine.handle(back)
-    return (time.perf_counter() - start) / (2 * cycles)
+        machine.handle(restored)
+    return (time.perf_counter() - start) / (3 * cycles)
 
 
 def reattach_replay(sends: int) -> float:
