@@ -31,6 +31,7 @@ from hafailover.adapters.amqp import (
     decode_message,
     encode_message,
 )
+from hafailover.adapters.base import TlsOptions
 from hafailover.destination import Destination, DestinationKind
 from hafailover.errors import (
     ConfigurationError,
@@ -884,10 +885,11 @@ def test_amqps_verifies_the_broker_and_logs_in_over_tls(
     proxy = TlsProxy(*certificate, upstream=pair.live.amqp_port)
     try:
         broker = BrokerAddress("amqps", "localhost", proxy.port, "admin", "admin")
-        with pytest.raises(NotConnectedError, match="certificate verify failed"):
-            AmqpTransport(Recorder()).open(broker)  # a certificate nobody vouched for
+        # A certificate nobody vouched for: a TLS refusal, which no retry can mend.
+        with pytest.raises(SecurityError, match="certificate verify failed"):
+            AmqpTransport(Recorder()).open(broker)
         events = Recorder()
-        transport = AmqpTransport(events, tls_ca_file=str(certificate[0]))
+        transport = AmqpTransport(events, tls=TlsOptions(ca_file=str(certificate[0])))
         opened = transport.open(broker)
         assert opened.topology
         queue = fresh_queue()
@@ -898,7 +900,7 @@ def test_amqps_verifies_the_broker_and_logs_in_over_tls(
         assert events.bodies() == [b"secret"]
         transport.close()
         with pytest.raises(SecurityError):
-            AmqpTransport(Recorder(), tls_ca_file=str(certificate[0])).open(
+            AmqpTransport(Recorder(), tls=TlsOptions(ca_file=str(certificate[0]))).open(
                 BrokerAddress("amqps", "localhost", proxy.port, "admin", "wrong")
             )
     finally:
