@@ -10,7 +10,7 @@ driver has replaced is ignored there.
 STOMP links number every frame for the confirmation window (F4) and ask for a receipt when
 the driver wants a confirmation; AMQP links carry the driver's token in the transfer and
 report its settlement. Calls marked *blocking* wait for the broker and must be made without
-the driver's lock held (the AMQP reactor thread calls back into the driver).
+the driver's lock held (the AMQP reader thread calls back into the driver).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
-from hafailover.adapters.amqp import AmqpTransaction, AmqpTransport, Outcome
+from hafailover.adapters.amqp import AmqpTransaction, Outcome
 from hafailover.adapters.base import Opened, TlsOptions
 from hafailover.adapters.stomp import (
     DUPLICATE_ID,
@@ -30,6 +30,7 @@ from hafailover.adapters.stomp import (
     stomp_address,
 )
 from hafailover.destination import Destination, DestinationKind
+from hafailover.driver.amqp_io import AmqpTransport
 from hafailover.errors import (
     CallTimeoutError,
     NotConnectedError,
@@ -362,7 +363,7 @@ class _StompEvents:
 
 
 class AmqpLink:
-    """A link over one AMQP 1.0 connection on its own reactor thread."""
+    """A link over one AMQP 1.0 connection (driver.amqp_io: proton's engine on a socket)."""
 
     def __init__(self, events: LinkEvents, policy: FailoverPolicy) -> None:
         self.serial = next(_SERIALS)

@@ -26,13 +26,13 @@ from proton import Terminus
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from hafailover.adapters.amqp import (
-    AmqpTransport,
     Outcome,
     decode_message,
     encode_message,
 )
 from hafailover.adapters.base import TlsOptions
 from hafailover.destination import Destination, DestinationKind
+from hafailover.driver.amqp_io import AmqpTransport
 from hafailover.errors import (
     ConfigurationError,
     IllegalStateError,
@@ -485,7 +485,7 @@ def test_events_run_on_the_reactor_which_refuses_blocking_calls(
     transport.send(1, queue, Message(b"a"), duplicate_detection=True)
     transport.send(2, queue, Message(b"b"), duplicate_detection=True)
     events.wait(lambda: len(refused) == 2)
-    assert "deadlock" in str(refused[0])
+    assert "would never end" in str(refused[0])
     transport.send(3, queue, Message(b"c"), duplicate_detection=True)
     events.wait(lambda: 3 in events.settled)  # the reactor lives on
     transport.close()

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from hafailover.adapters.amqp import AmqpTransport, Outcome
+from hafailover.adapters.amqp import Outcome
 from hafailover.destination import Destination
+from hafailover.driver.amqp_io import AmqpTransport
 from hafailover.errors import ProtocolError, SecurityError
 from hafailover.message import Message
 from hafailover.url import BrokerAddress

@@ -1,13 +1,13 @@
-"""One AMQP 1.0 connection to one broker, on python-qpid-proton's reactor.
+"""One AMQP 1.0 connection to one broker, as a proton engine with no I/O of its own.
 
-This adapter owns the translation between hafailover's values and proton's: it opens one
+This adapter owns the translation between hafailover's values and proton's: it builds one
 connection with one session to a single broker (SASL PLAIN, TLS for ``amqps``), reads the
 topology the broker announces (docs/protocol-topology.md), keeps a sender link per address,
 a receiver link per subscription and the transaction coordinator link, turns what proton
 reports into events for the driver, and maps proton's exceptions and error conditions to
 ours in one place (the "errors" section below). It never retries, reconnects or fails over
-(proton's own reconnect is off; the driver decides what a loss means), never waits for a
-settlement it was not asked to wait for, and never hands a proton object to its caller.
+(the driver decides what a loss means), never waits for a settlement it was not asked to wait
+for, and never hands a proton object to its caller.
 
 Addresses are written ``queue://x`` and ``topic://x`` (DESIGN section 3), except on RabbitMQ
 (known by the product its Open names), whose AMQP 1.0 plugin wants ``/queue/x`` and
@@ -16,29 +16,25 @@ queues there ask for a durable terminus; a temporary queue keeps the address the
 it. Every link lives on the one session: a broker that ends it (RabbitMQ 3.10 does to refuse
 an attach: a transaction, a dynamic node, a queue of another durability) has ended the
 connection's use, and that is reported as a loss, while the request it refused gets the
-broker's refusal (ProtocolError): a call that waits raises it, a send is settled with it.
+broker's refusal (ProtocolError): a request that waits fails with it, a send is settled
+with it.
 
-Threading model
----------------
-Every proton object belongs to one thread, the reactor thread, which runs a
-``proton.reactor.Container`` for this connection alone. Application threads never touch
-proton: a call becomes a command in a queue guarded by a lock, and the reactor is woken
-through proton's ``EventInjector`` (a pipe in its select loop) with one ``ApplicationEvent``.
-A wake-up is only written when none is pending, and one wake-up runs every queued command,
-so a burst of sends costs one wake-up and goes out as pipelined transfers in the next write.
-Messages are encoded on the calling thread (a proton ``Message`` is private to the thread
-that made it); the reactor only copies bytes into transfers.
+Sans I/O
+--------
+``AmqpEngine`` is driven the way the reference broker drives its side
+(reference_broker/amqp/server.py): proton's ``Transport`` and ``Collector`` with no reactor,
+no thread, no socket and no clock. The caller (hafailover.driver.amqp_io) owns the socket,
+the reader thread and the lock that serializes every call: it pushes what it reads
+(``received``), passes the time (``tick``), writes what ``output`` gives, and calls the
+events ``take_events`` returns once it has let go of its lock, so an event callback may make
+requests of its own. Requests that need the broker's answer (the Open, an attach, a declare,
+a discharge) return a ``Pending`` that the engine completes as the answer arrives; the others'
+outcome comes as an event. Messages are encoded by the caller, outside its lock.
 
-Calls that need the broker's answer (``open``, ``subscribe``, ``create_temporary_queue``,
-``declare``, ``discharge``) block the caller on a waiter the reactor completes, bounded by a
-timeout; the others return at once and their outcome arrives as an event. Events are called
-on the reactor thread: the driver must not block in them (a blocking call made from one
-raises IllegalStateError rather than deadlock), and a callback that raises is logged.
-
-The reactor thread ends with the connection: after ``close()`` or ``abort()``, or after a
-loss, which is reported once through ``on_lost``. Blocked calls are then released
-(UnblockedError, TransactionOutcomeUnknownError for a commit, ConnectionClosedError after
-close); sends still unsettled are in doubt and get no ``on_settled``.
+The engine ends with the connection: after ``close`` and the broker's Close, after ``abort``,
+or after a loss, which is reported once through ``on_lost``. Waiting requests are then
+released (UnblockedError, TransactionOutcomeUnknownError for a commit, ConnectionClosedError
+after close); sends still unsettled are in doubt and get no ``on_settled``.
 """
 
 from __future__ import annotations
@@ -47,11 +43,8 @@ import contextlib
 import enum
 import itertools
 import logging
-import os
-import threading
-from collections import deque
+import uuid
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import attrs
@@ -73,8 +66,6 @@ from proton import (
     symbol,
     ulong,
 )
-from proton.handlers import IOHandler
-from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from hafailover.adapters.base import (
     Opened,
@@ -100,7 +91,15 @@ from hafailover.errors import (
 from hafailover.message import Message, PropertyValue
 from hafailover.url import BrokerAddress
 
-__all__ = ["AmqpEvents", "AmqpTransaction", "AmqpTransport", "Outcome"]
+__all__ = [
+    "AmqpEngine",
+    "AmqpEvents",
+    "AmqpTransaction",
+    "Outcome",
+    "Pending",
+    "encode_message",
+    "map_errors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +129,8 @@ _OUTCOME_NAMES: Final = {
     "amqp:modified:list": "modified",
 }
 _UNAUTHORIZED: Final = "amqp:unauthorized-access"
-# The application event that wakes the reactor: _Handler.on_hafailover_amqp_work.
-_WORK: Final = "hafailover_amqp_work"
 _TEMP_QUEUE_PREFIX: Final = "temp-queue://"
 
-# How long a clean close waits for the broker's Close before dropping the socket.
-_CLOSE_GRACE: Final = 2.0
 # Delivery tokens are unique in the process, so a stale one never settles another delivery.
 _DELIVERY_TOKENS: Final = itertools.count(1)
 _TRANSPORT_SERIALS: Final = itertools.count(1)
@@ -159,7 +154,7 @@ class AmqpTransaction:
 
 
 class AmqpEvents(Protocol):
-    """What the driver hears from one transport (called on the reactor thread)."""
+    """What the driver hears from one connection (called by whoever drives the engine)."""
 
     def on_message(self, subscription: str, delivery: int, message: Message) -> None: ...
 
@@ -201,7 +196,7 @@ def _translate(exc: BaseException, broker: str) -> HaFailoverError:
 
 
 @contextlib.contextmanager
-def _map_errors(broker: str) -> Iterator[None]:
+def map_errors(broker: str) -> Iterator[None]:
     try:
         yield
     except (proton.ProtonException, OSError, *_ENCODING_ERRORS) as exc:
@@ -425,66 +420,68 @@ def decode_message(payload: bytes, *, fallback: Destination | None = None) -> Me
     )
 
 
-# --- the machinery of a blocked call ---------------------------------------------------------
+# --- a request waiting for the broker's answer -----------------------------------------------
 
 T = TypeVar("T")
 
 
-class _Waiter(Generic[T]):
-    """One blocked call, completed by the reactor thread.
+class Pending(Generic[T]):
+    """A request that waits for the broker's answer: the Open, an attach, a declare, a
+    discharge.
 
-    A caller that gives up (timeout) abandons it; the reactor then learns from ``succeed``
-    returning False that nobody will take what it made, and undoes it.
+    The engine completes it while it processes what the broker sent, and calls ``notify``
+    (which whoever waits sets before the request can be answered). A waiter that gives up sets
+    ``abandoned``; the engine then learns from ``succeed`` returning False that nobody will
+    take what it made, and undoes it. It succeeds while the engine processes the answer; it
+    fails as an event (``take_events``), so that a waiter wakes after the loss that failed it
+    has been reported.
     """
+
+    __slots__ = ("_error", "_result", "abandoned", "interrupted", "notify", "what")
 
     def __init__(self, what: str, interrupted: type[RemoteError] = UnblockedError) -> None:
         self.what = what
         self.interrupted = interrupted  # raised if the connection dies before the answer
-        self._lock = threading.Lock()
-        self._done = threading.Event()
+        self.abandoned = False
+        self.notify: Callable[[], None] | None = None
         self._result: tuple[T] | None = None
         self._error: HaFailoverError | None = None
-        self._abandoned = False
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
 
     def succeed(self, value: T) -> bool:
-        with self._lock:
-            if self._abandoned or self._done.is_set():
-                return False
-            self._result = (value,)
-            self._done.set()
-            return True
+        if self.abandoned or self.done:
+            return False
+        self._result = (value,)
+        self._notify()
+        return True
 
     def fail(self, error: HaFailoverError) -> None:
-        with self._lock:
-            if not self._done.is_set():
-                self._error = error
-                self._done.set()
+        if not self.done:
+            self._error = error
+            self._notify()
 
-    def wait(self, timeout: float) -> T:
-        if not self._done.wait(timeout):
-            with self._lock:
-                if not self._done.is_set():
-                    self._abandoned = True
-                    raise CallTimeoutError(f"{self.what}: no answer within {timeout:g}s")
+    def result(self) -> T:
+        """The answer, or the error that ended the wait (only once ``done``)."""
         if self._error is not None:
             raise self._error
-        assert self._result is not None
+        if self._result is None:
+            raise IllegalStateError(f"{self.what}: no answer yet")
         return self._result[0]
 
-
-@attrs.frozen
-class _Command:
-    run: Callable[[], None]
-    waiter: _Waiter[Any] | None = None
-    ending: bool = False  # close or abort: runs even once the connection is dead
+    def _notify(self) -> None:
+        if self.notify is not None:
+            self.notify()
 
 
 class _State(enum.Enum):
     NEW = "new"
     OPENING = "opening"
     OPEN = "open"
-    ENDING = "ending"  # closing, aborting or lost: no new commands
-    ENDED = "ended"  # the reactor thread has finished
+    ENDING = "ending"  # closing, aborting or lost: no new requests
+    ENDED = "ended"  # proton has said all it will: the socket can go
 
 
 class _Subscription:
@@ -498,7 +495,7 @@ class _Subscription:
         credit: int,
         *,
         durable: bool,
-        attaching: _Waiter[None],
+        attaching: Pending[None],
         browse: bool = False,
     ) -> None:
         self.browse = browse  # a queue browser: distribution-mode copy, drained to the end
@@ -507,15 +504,15 @@ class _Subscription:
         self.destination = destination
         self.credit = credit
         self.durable = durable
-        self.attaching: _Waiter[None] | None = attaching
+        self.attaching: Pending[None] | None = attaching
 
 
 class _TemporaryQueue:
     __slots__ = ("attaching", "destination", "link")
 
-    def __init__(self, link: Receiver, attaching: _Waiter[Destination]) -> None:
+    def __init__(self, link: Receiver, attaching: Pending[Destination]) -> None:
         self.link = link
-        self.attaching: _Waiter[Destination] | None = attaching
+        self.attaching: Pending[Destination] | None = attaching
         self.destination: Destination | None = None
 
 
@@ -526,61 +523,44 @@ class _Dialect(enum.Enum):
     RABBITMQ = "rabbitmq"  # /queue/x, /topic/x (RabbitMQ's AMQP 1.0 plugin)
 
 
-class _Cancellable(Protocol):
-    def cancel(self) -> None: ...
+class AmqpEngine:
+    """One AMQP 1.0 connection to one broker as a proton engine: bytes and time in, bytes
+    and events out.
 
-
-class _Timer(proton.Handler):
-    """A proton timer task that calls back once on the reactor thread."""
-
-    def __init__(self, callback: Callable[[], None]) -> None:
-        self._callback = callback
-
-    def on_timer_task(self, event: Event) -> None:
-        self._callback()
-
-
-class AmqpTransport:
-    """A single AMQP 1.0 connection; ``open`` blocks until the broker's Open or failure."""
+    ``start`` builds the connection; ``received`` takes the socket's bytes, ``input_closed``
+    its end, ``tick`` the time, and ``output`` gives what to write. Requests are method calls
+    that return at once: those that need the broker's answer return a ``Pending``, the
+    others' outcome arrives later as an event (``on_settled``). What the broker says is
+    queued as events, taken with ``take_events`` and called by the caller once it no longer
+    serializes the engine, so a callback may make requests of its own. Calls must be
+    serialized by the caller; none blocks.
+    """
 
     def __init__(
-        self,
-        events: AmqpEvents,
-        *,
-        heartbeat: float = 1.0,
-        connect_timeout: float = 5.0,
-        call_timeout: float = 30.0,
-        tls: TlsOptions | None = None,
+        self, events: AmqpEvents, *, heartbeat: float = 1.0, tls: TlsOptions | None = None
     ) -> None:
         """``heartbeat``: the broker is declared dead after twice this many seconds of
         silence; the Open asks it to send something at least every ``heartbeat`` seconds
-        (0 turns both off). ``connect_timeout`` bounds ``open``, ``call_timeout`` the other
-        blocking calls unless they are given a timeout. ``tls``: how amqps checks the broker
-        (the system's CAs and its host name by default) and shows itself."""
+        (0 turns both off). ``tls``: how amqps checks the broker (the system's CAs and its
+        host name by default) and shows itself."""
         self.events = events
         self.heartbeat = heartbeat
-        self.connect_timeout = connect_timeout
-        self.call_timeout = call_timeout
         self.tls = tls or TlsOptions()
         self.broker: BrokerAddress | None = None
-        self._serial = next(_TRANSPORT_SERIALS)
-        # Shared with application threads, under _lock.
-        self._lock = threading.Lock()
-        self._state = _State.NEW
+        self.serial = next(_TRANSPORT_SERIALS)
+        self.state = _State.NEW
+        self._outbox: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._closing = False  # the application asked to close or abort: no on_lost
-        self._commands: deque[_Command] = deque()
-        self._wake_pending = False
         self._temporary: dict[Destination, str] = {}
         self._dialect = _Dialect.CANONICAL
-        self._thread: threading.Thread | None = None
-        self._container: Container | None = None
-        self._injector: EventInjector | None = None
-        self._wake = ApplicationEvent(_WORK)
-        # The reactor thread's own.
         self._connection: Connection | None = None
+        self._transport: proton.Transport | None = None
+        self._collector: proton.Collector | None = None
+        self._sasl: proton.SASL | None = None
+        self._armed = True  # the idle timeout is set (held back until the login is done)
         self._session: Session | None = None
-        self._opening: _Waiter[Opened] | None = None
-        self._pending: set[_Waiter[Any]] = set()  # blocked calls waiting for the broker
+        self._opening: Pending[Opened] | None = None
+        self._pending: set[Pending[Any]] = set()  # requests waiting for the broker
         self._senders: dict[str, Sender] = {}
         self._sender_addresses: dict[Link, str] = {}
         self._outgoing: dict[Delivery, int] = {}  # unsettled transfer -> its token
@@ -590,276 +570,192 @@ class AmqpTransport:
         self._incoming: dict[int, tuple[Delivery, _Subscription]] = {}
         self._confirming: dict[Delivery, int] = {}  # outcome sent, broker's settle awaited
         self._coordinator: Sender | None = None
-        self._control: dict[Delivery, tuple[bool, _Waiter[Any]]] = {}  # is-declare, waiter
+        self._control: dict[Delivery, tuple[bool, Pending[Any]]] = {}  # is-declare, request
         self._names = itertools.count(1)
-        self._grace: _Cancellable | None = None
-        self._dead = False  # the reactor has given the connection up
+        self._dead = False  # the connection is given up: what comes now is its ending
         self._lost_reported = False
 
-    # --- opening ------------------------------------------------------------------------------
+    @property
+    def ended(self) -> bool:
+        """Whether proton has said all it will: write the last ``output`` and drop the socket."""
+        return self.state is _State.ENDED
 
-    def open(self, broker: BrokerAddress) -> Opened:
-        """Connect, log in and open; raise NotConnectedError or SecurityError if that fails.
+    # --- bytes and time -----------------------------------------------------------------------
 
-        A transport opens once: the driver makes a new one for every connection."""
-        with self._lock:
-            if self._state is not _State.NEW:
-                raise IllegalStateError("an AmqpTransport opens once; make a new one")
-            self._state = _State.OPENING
+    def start(self, broker: BrokerAddress) -> Pending[Opened]:
+        """Build the connection (SASL, TLS for ``amqps``) and ask to open it; the Pending
+        completes with the broker's Open, or fails with why there was none."""
+        if self.state is not _State.NEW:
+            raise IllegalStateError("an AMQP connection opens once; make a new one")
+        self.state = _State.OPENING
         self.broker = broker
-        waiter: _Waiter[Opened] = _Waiter(f"open {broker.redacted()}", NotConnectedError)
-        self._opening = waiter
+        opening: Pending[Opened] = Pending(f"open {broker.redacted()}", NotConnectedError)
+        self._opening = opening
         try:
-            with _map_errors(broker.redacted()):
-                self._start(broker)
+            with map_errors(broker.redacted()):
+                self._build(broker)
         except HaFailoverError:
-            with self._lock:
-                self._state = _State.ENDED
+            self._opening = None
+            self.state = _State.ENDED
             raise
-        try:
-            return waiter.wait(self.connect_timeout)
-        except CallTimeoutError:
-            self.abort()
-            raise NotConnectedError(
-                f"{broker.redacted()} did not open within {self.connect_timeout:g}s"
-            ) from None
-        except HaFailoverError:
-            self.abort()  # the reactor is ending already; wait for its thread
-            raise
+        return opening
 
-    def _start(self, broker: BrokerAddress) -> None:
-        ssl_domain: SSLDomain | None = None
-        if broker.tls:
-            ssl_domain = _client_domain(self.tls, broker)
-        host = f"[{broker.host}]" if ":" in broker.host else broker.host
-        options: dict[str, Any] = {
-            "sasl_enabled": True,
-            "allowed_mechs": "PLAIN" if broker.user is not None else "ANONYMOUS",
-            # PLAIN sends the password in clear: only TLS makes that safe, and only
-            # without TLS must it be allowed explicitly.
-            "allow_insecure_mechs": not broker.tls,
-        }
+    def _build(self, broker: BrokerAddress) -> None:
+        connection = Connection()
+        connection.container = f"hafailover-{uuid.uuid4()}"
+        connection.hostname = broker.host
+        collector = proton.Collector()
+        connection.collect(collector)
+        transport = proton.Transport()
+        sasl = transport.sasl()
+        # PLAIN sends the password in clear: only TLS makes that safe, and only without TLS
+        # must it be allowed explicitly.
+        sasl.allow_insecure_mechs = not broker.tls
+        sasl.allowed_mechs("PLAIN" if broker.user is not None else "ANONYMOUS")
         if broker.user is not None:
-            options["user"] = broker.user
-            options["password"] = broker.password or ""
-        container = Container(
-            _Handler(self), global_handler=_IOHandler(2 * self.heartbeat if self.heartbeat else 0)
-        )
-        injector = EventInjector()
+            connection.user = broker.user
+            connection.password = broker.password or ""
+        transport.bind(connection)
+        if broker.tls:
+            ssl = proton.SSL(transport, _client_domain(self.tls, broker))
+            ssl.peer_hostname = broker.host
+        # proton enforces its idle timeout from the first byte, SASL included, but a broker
+        # may take its time to refuse a login (RabbitMQ waits 3 s before a failed SASL
+        # outcome, to slow password guessing): with a short heart-beat the refusal would read
+        # as a dead broker. So the timeout is set once the login is done and before the Open
+        # that announces it is written (``_arm``); until then the caller's connect timeout
+        # bounds the handshake.
+        self._armed = self.heartbeat <= 0
+        connection.open()
+        self._connection = connection
+        self._collector = collector
+        self._transport = transport
+        self._sasl = sasl
+
+    def received(self, data: bytes, now: float) -> None:
+        """Bytes the socket read."""
+        transport = self._transport
+        if transport is None or self.ended:
+            return
+        view = memoryview(data)
         try:
-            container.selectable(injector)
-            self._connection = container.connect(
-                url=f"{'amqps' if broker.tls else 'amqp'}://{host}:{broker.port}",
-                reconnect=False,
-                heartbeat=None,  # set by _IOHandler once the login is done
-                ssl_domain=ssl_domain,
-                **options,
-            )
-        except BaseException:
-            _close_pipe(injector)
-            raise
-        self._container = container
-        self._injector = injector
-        thread = threading.Thread(
-            target=self._run, name=f"hafailover-amqp {broker.host}:{broker.port}", daemon=True
-        )
-        self._thread = thread
-        thread.start()
+            while view:
+                capacity = transport.capacity()
+                if capacity <= 0:
+                    break  # input is closed: the transport is failing or done
+                transport.push(bytes(view[:capacity]))
+                view = view[capacity:]
+        except proton.ProtonException as exc:
+            log.info("amqp %s: %s", self._broker_text(), exc)  # the error event follows
+        self._process(now)
 
-    # --- sending ------------------------------------------------------------------------------
+    def input_closed(self, reason: str, now: float) -> None:
+        """The socket ended (the broker closed it, or reading or writing failed)."""
+        transport = self._transport
+        if transport is not None and not self.ended:
+            if transport.condition is None and reason:
+                transport.condition = Condition("proton:io", reason)
+            with contextlib.suppress(proton.ProtonException):
+                transport.close_tail()
+            self._process(now)
+        if not self._dead:
+            self._die(reason or "connection closed", None)
+        self._shutdown()
 
-    def send(
-        self,
-        token: int,
-        destination: Destination,
-        message: Message,
-        *,
-        duplicate_detection: bool,
-        tx: AmqpTransaction | None = None,
-    ) -> int:
-        """Send without waiting; the broker's outcome arrives as ``on_settled(token, ...)``.
+    def tick(self, now: float) -> float:
+        """Let proton keep time: a heart-beat sent when due, a silent broker declared dead.
+        Returns when to call again (0: only when something happens)."""
+        if self._transport is None or self.ended:
+            return 0.0
+        return self._process(now)
 
-        Returns the size of the encoded message in bytes (for the confirmation window)."""
-        self._check_transaction(tx)
-        address = self._address(destination)
-        durable = self._durable_node(destination)
-        reply_to = None if message.reply_to is None else self._address(message.reply_to)
-        with _map_errors(self._broker_text()):
-            payload = encode_message(
-                message, address, reply_to=reply_to, duplicate_detection=duplicate_detection
-            )
-        self._submit(_Command(partial(self._send_now, token, address, durable, payload, tx)))
-        return len(payload)
+    def output(self) -> bytes:
+        """Everything proton has to write, taken from it."""
+        transport = self._transport
+        if transport is None:
+            return b""
+        self._arm()
+        chunks: list[bytes] = []
+        while True:
+            try:
+                size = transport.pending()
+            except proton.ProtonException:
+                break
+            if size <= 0:
+                break
+            chunk = transport.peek(size)
+            if chunk:
+                chunks.append(chunk)
+            transport.pop(size)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    # --- receiving ----------------------------------------------------------------------------
+    @property
+    def has_events(self) -> bool:
+        """Whether events are queued for ``take_events``."""
+        return bool(self._outbox)
 
-    def subscribe(
-        self,
-        subscription_id: str,
-        destination: Destination,
-        *,
-        credit: int,
-        settle_on_delivery: bool,
-        durable_name: str | None = None,
-        timeout: float | None = None,
-        browse: bool = False,
-    ) -> None:
-        """Attach a receiver and wait until the broker has; then messages arrive as
-        ``on_message``. ``settle_on_delivery``: the broker settles as it sends (at most
-        once); else each delivery waits for ``settle``. ``credit`` is kept outstanding.
-        ``browse``: copy the queue's waiting messages without consuming them, then
-        ``on_browse_end`` once the broker has drained the link."""
-        if isinstance(credit, bool) or not isinstance(credit, int) or credit < 1:
-            raise ConfigurationError(f"credit must be a whole number of at least 1, not {credit!r}")
-        address = self._address(destination)
-        durable = self._durable_node(destination)
-        self._ask(
-            f"subscribe {subscription_id!r} to {destination}",
-            partial(
-                self._subscribe_now,
-                subscription_id,
-                address,
-                durable,
-                destination,
-                credit,
-                settle_on_delivery,
-                durable_name,
-                browse,
-            ),
-            timeout,
-        )
+    def take_events(self) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
+        """The events queued since the last call, oldest first, as (callback, arguments)."""
+        events, self._outbox = self._outbox, []
+        return events
 
-    def settle(
-        self,
-        delivery: int,
-        outcome: Outcome,
-        *,
-        tx: AmqpTransaction | None = None,
-        token: int | None = None,
-    ) -> None:
-        """Settle a received message (thread-safe, without waiting). A token of a delivery
-        already settled, or of a link that has ended, is ignored.
+    def _process(self, now: float) -> float:
+        transport = self._transport
+        assert transport is not None
+        self._handle_events()
+        if self.ended:
+            return 0.0
+        self._arm()
+        try:
+            deadline = transport.tick(now)
+        except proton.ProtonException as exc:
+            self._die(f"proton failed: {exc}", None)
+            return 0.0
+        self._handle_events()  # what the tick did (an idle timeout)
+        return deadline
 
-        With ``token`` the outcome is sent unsettled and the delivery is settled only once the
-        broker has settled it, which the reference broker does when the outcome is durable
-        (or, inside a transaction, taken into it): ``on_settled(token, None)`` confirms it.
-        RabbitMQ cannot settle an outcome sent unsettled: there it is sent settled and
-        confirmed once written."""
-        self._check_transaction(tx)
-        self._submit(_Command(partial(self._settle_now, delivery, outcome, tx, token)))
+    def _arm(self) -> None:
+        if self._armed or self._sasl is None or self._transport is None:
+            return
+        if self._sasl.outcome == proton.SASL.OK:
+            self._armed = True
+            self._transport.idle_timeout = 2 * self.heartbeat
 
-    def unsubscribe(self, subscription_id: str, *, remove_durable: bool = False) -> None:
-        """Stop a subscription without waiting; its unsettled messages go back to the broker.
-        A durable subscription is kept on the broker unless ``remove_durable``."""
-        self._submit(_Command(partial(self._unsubscribe_now, subscription_id, remove_durable)))
+    def _handle_events(self) -> None:
+        collector = self._collector
+        if collector is None:
+            return
+        while (event := collector.peek()) is not None:
+            handler = _HANDLERS.get(event.type)
+            if handler is not None:
+                try:
+                    handler(self, event)
+                except (proton.ProtonException, HaFailoverError) as exc:
+                    # proton refusing its own state ends this connection, never the process
+                    log.warning("amqp %s: handling %s failed: %r", self._broker_text(), event, exc)
+                    error = _translate(exc, self._broker_text())
+                    self._die(
+                        f"proton failed: {exc!r}",
+                        None,
+                        refused=error if isinstance(error, RemoteError) else None,
+                    )
+            collector.pop()
 
-    def create_temporary_queue(self, *, timeout: float | None = None) -> Destination:
-        """A queue that lives as long as this connection (or ``delete_temporary_queue``)."""
-        destination: Destination = self._ask(
-            "create a temporary queue", self._temporary_queue_now, timeout
-        )
-        return destination
+    # --- requests -----------------------------------------------------------------------------
 
-    def alias_temporary_queue(self, alias: Destination, created: Destination) -> None:
-        """Let ``alias`` (a temporary queue of an earlier connection) name ``created``, so an
-        application's destination keeps working after a reconnect recreated it (F5)."""
-        with self._lock:
-            address = self._temporary.get(created)
-            if address is None:
-                raise IllegalStateError(f"{created} is not a temporary queue of this connection")
-            self._temporary[alias] = address
-
-    def delete_temporary_queue(self, destination: Destination) -> None:
-        self._submit(_Command(partial(self._delete_temporary_now, destination)))
-
-    # --- transactions -------------------------------------------------------------------------
-
-    def declare(self, *, timeout: float | None = None) -> AmqpTransaction:
-        """Declare a local transaction and wait for its id."""
-        tx: AmqpTransaction = self._ask("declare a transaction", self._declare_now, timeout)
-        return tx
-
-    def discharge(self, tx: AmqpTransaction, *, fail: bool, timeout: float | None = None) -> None:
-        """Commit (``fail=False``) or roll back, and wait until the broker has settled it.
-
-        Raises ProtocolError if the broker refuses; a commit cut by the loss of the
-        connection raises TransactionOutcomeUnknownError."""
-        self._check_transaction(tx)
-        self._ask(
-            f"{'roll back' if fail else 'commit'} a transaction",
-            partial(self._discharge_now, tx, fail),
-            timeout,
-            interrupted=UnblockedError if fail else TransactionOutcomeUnknownError,
-        )
-
-    # --- ending -------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Say goodbye (Close) and wait briefly for the broker's; never hangs."""
-        self._finish(clean=True)
-
-    def abort(self) -> None:
-        """Drop the socket without a Close."""
-        self._finish(clean=False)
-
-    def _finish(self, *, clean: bool) -> None:
-        with self._lock:
-            self._closing = True
-            if self._state is _State.NEW:
-                self._state = _State.ENDED
-            if self._state in (_State.OPENING, _State.OPEN, _State.ENDING):
-                self._state = _State.ENDING
-                self._enqueue(_Command(self._close_now if clean else self._abort_now, ending=True))
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(self._close_grace() + 2.0)
-
-    # --- application side: commands for the reactor ------------------------------------------
-
-    def _submit(self, command: _Command) -> None:
-        with self._lock:
-            if self._state is not _State.OPEN:
-                raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
-            self._enqueue(command)
-
-    def _enqueue(self, command: _Command) -> None:
-        """Queue a command and wake the reactor if it is not woken already (under _lock)."""
-        self._commands.append(command)
-        if not self._wake_pending and self._injector is not None:
-            self._wake_pending = True
-            self._injector.trigger(self._wake)
-
-    def _ask(
-        self,
-        what: str,
-        run: Callable[[_Waiter[T]], None],
-        timeout: float | None,
-        *,
-        interrupted: type[RemoteError] = UnblockedError,
-    ) -> T:
-        if threading.current_thread() is self._thread:
-            raise IllegalStateError(
-                f"{what}: a blocking call from an event callback would deadlock the reactor"
-            )
-        waiter: _Waiter[T] = _Waiter(f"{self._broker_text()}: {what}", interrupted)
-        self._submit(_Command(partial(run, waiter), waiter))
-        return waiter.wait(self.call_timeout if timeout is None else timeout)
-
-    def _check_transaction(self, tx: AmqpTransaction | None) -> None:
-        if tx is not None and tx.transport != self._serial:
-            raise IllegalStateError("the transaction was declared on another connection")
-
-    def _address(self, destination: Destination) -> str:
-        with self._lock:
-            raw = self._temporary.get(destination)
-            dialect = self._dialect
+    def address(self, destination: Destination) -> str:
+        """How ``destination`` is written for this broker."""
+        raw = self._temporary.get(destination)
         if raw is not None:
             return raw
-        if dialect is _Dialect.RABBITMQ and destination.kind is not DestinationKind.TEMPORARY_QUEUE:
+        if (
+            self._dialect is _Dialect.RABBITMQ
+            and destination.kind is not DestinationKind.TEMPORARY_QUEUE
+        ):
             return destination.stomp
         return destination.amqp
 
-    def _durable_node(self, destination: Destination) -> bool:
+    def durable_node(self, destination: Destination) -> bool:
         """Whether links to ``destination`` ask for a durable terminus.
 
         RabbitMQ's AMQP 1.0 plugin declares a ``/queue/x`` with the durability of the terminus
@@ -869,98 +765,30 @@ class AmqpTransport:
         refuses an attach whose durability differs from the queue's ("inequivalent arg
         'durable'"). Elsewhere a queue's durability is the broker's business and the terminus
         stays as it was."""
-        with self._lock:
-            dialect = self._dialect
-            temporary = destination in self._temporary
         return (
-            dialect is _Dialect.RABBITMQ
+            self._dialect is _Dialect.RABBITMQ
             and destination.kind is DestinationKind.QUEUE
-            and not temporary
+            and destination not in self._temporary
         )
 
-    def _broker_text(self) -> str:
-        return self.broker.redacted() if self.broker is not None else "broker"
+    def check_transaction(self, tx: AmqpTransaction | None) -> None:
+        if tx is not None and tx.transport != self.serial:
+            raise IllegalStateError("the transaction was declared on another connection")
 
-    def _close_grace(self) -> float:
-        return min(_CLOSE_GRACE, self.connect_timeout)
-
-    # --- the reactor thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        container = self._container
-        assert container is not None
-        try:
-            container.run()
-        except Exception as exc:  # noqa: BLE001 - whatever ends proton's loop ends this connection
-            # An OSError is the network's (a name that does not resolve); anything else a bug.
-            level = logging.INFO if isinstance(exc, OSError) else logging.WARNING
-            log.log(level, "amqp %s: the reactor failed: %r", self._broker_text(), exc)
-            error = _translate(exc, self._broker_text())
-            if not isinstance(error, RemoteError):
-                error = ProtocolError(str(error))
-            self._die(f"the reactor failed: {exc!r}", None, refused=error)
-        finally:
-            self._reactor_ended()
-
-    def _reactor_ended(self) -> None:
-        with self._lock:
-            self._state = _State.ENDED
-            left = list(self._commands)
-            self._commands.clear()
-            closing = self._closing
-            injector = self._injector
-        error = self._released_error(closing)
-        for command in left:
-            if command.waiter is not None:
-                command.waiter.fail(error(command.waiter.what))
-        self._release(closing)
-        if injector is not None:
-            _close_pipe(injector)  # nobody triggers it any more: the state is ENDED
-        self._container = None
-
-    def _work(self) -> None:
-        """Run every queued command (one wake-up)."""
-        with self._lock:
-            self._wake_pending = False
-            batch = list(self._commands)
-            self._commands.clear()
-        for command in batch:
-            if self._dead and not command.ending:
-                if command.waiter is not None:  # too late: the connection is ending
-                    with self._lock:
-                        closing = self._closing
-                    command.waiter.fail(self._released_error(closing)(command.waiter.what))
-                continue
-            try:
-                command.run()
-            except (HaFailoverError, proton.ProtonException) as exc:
-                error = _translate(exc, self._broker_text())
-                if command.waiter is not None:
-                    self._pending.discard(command.waiter)
-                    command.waiter.fail(error)
-                elif isinstance(error, ProtocolError):
-                    self._emit(self.events.on_error, error)
-                else:
-                    self._emit(self.events.on_error, ProtocolError(str(error)))
-
-    def _emit(self, callback: Callable[..., None], *args: Any) -> None:
-        try:
-            callback(*args)
-        except Exception:  # a driver callback that raises must not kill the reactor
-            log.exception("amqp %s: event callback %r failed", self._broker_text(), callback)
-
-    # Commands (reactor thread).
-
-    def _send_now(
+    def transfer(
         self, token: int, address: str, durable: bool, payload: bytes, tx: AmqpTransaction | None
     ) -> None:
-        sender = self._sender_for(address, durable)
-        delivery = sender.delivery(str(next(self._names)))
-        if tx is not None:
-            # Before the bytes: the transactional state must travel in the transfer itself.
-            _set_state(delivery, _TRANSACTIONAL_STATE, [tx.txn_id])
-        sender.stream(payload)
-        sender.advance()
+        """Send an encoded message; its outcome arrives as ``on_settled(token, ...)``."""
+        self._require_open()
+        self.check_transaction(tx)
+        with map_errors(self._broker_text()):
+            sender = self._sender_for(address, durable)
+            delivery = sender.delivery(str(next(self._names)))
+            if tx is not None:
+                # Before the bytes: the transactional state must travel in the transfer itself.
+                _set_state(delivery, _TRANSACTIONAL_STATE, [tx.txn_id])
+            sender.stream(payload)
+            sender.advance()
         self._outgoing[delivery] = token
 
     def _sender_for(self, address: str, durable: bool) -> Sender:
@@ -977,59 +805,98 @@ class AmqpTransport:
             self._sender_addresses[sender] = address
         return sender
 
-    def _subscribe_now(
+    def subscribe(
         self,
         subscription_id: str,
-        address: str,
-        durable_node: bool,
         destination: Destination,
+        *,
         credit: int,
         settle_on_delivery: bool,
-        durable_name: str | None,
-        browse: bool,
-        waiter: _Waiter[None],
-    ) -> None:
+        durable_name: str | None = None,
+        browse: bool = False,
+    ) -> Pending[None]:
+        """Attach a receiver; the Pending completes once the broker has, and messages then
+        arrive as ``on_message``. ``settle_on_delivery``: the broker settles as it sends (at
+        most once); else each delivery waits for ``settle``. ``credit`` is kept outstanding.
+        ``browse``: copy the queue's waiting messages without consuming them, then
+        ``on_browse_end`` once the broker has drained the link."""
+        if isinstance(credit, bool) or not isinstance(credit, int) or credit < 1:
+            raise ConfigurationError(f"credit must be a whole number of at least 1, not {credit!r}")
+        self._require_open()
         if subscription_id in self._subscriptions:
             raise IllegalStateError(f"subscription {subscription_id!r} exists already")
-        name = durable_name or f"hafailover-receiver-{next(self._names)}"
-        link = self._require_session().receiver(name)
-        link.source.address = address
-        if durable_name is not None or durable_node:
-            _make_durable(link.source)
-        if browse:
-            link.source.distribution_mode = Terminus.DIST_MODE_COPY
-        if settle_on_delivery or browse:
-            link.snd_settle_mode = Link.SND_SETTLED
-        else:
-            link.snd_settle_mode = Link.SND_UNSETTLED
-            link.rcv_settle_mode = Link.RCV_FIRST
-        subscription = _Subscription(
-            subscription_id,
-            link,
-            destination,
-            credit,
-            durable=durable_name is not None,
-            attaching=waiter,
-            browse=browse,
+        attaching: Pending[None] = Pending(
+            f"{self._broker_text()}: subscribe {subscription_id!r} to {destination}"
         )
-        self._subscriptions[subscription_id] = subscription
-        self._link_subscription[link] = subscription
-        self._pending.add(waiter)
-        link.open()
+        with map_errors(self._broker_text()):
+            name = durable_name or f"hafailover-receiver-{next(self._names)}"
+            link = self._require_session().receiver(name)
+            link.source.address = self.address(destination)
+            if durable_name is not None or self.durable_node(destination):
+                _make_durable(link.source)
+            if browse:
+                link.source.distribution_mode = Terminus.DIST_MODE_COPY
+            if settle_on_delivery or browse:
+                link.snd_settle_mode = Link.SND_SETTLED
+            else:
+                link.snd_settle_mode = Link.SND_UNSETTLED
+                link.rcv_settle_mode = Link.RCV_FIRST
+            subscription = _Subscription(
+                subscription_id,
+                link,
+                destination,
+                credit,
+                durable=durable_name is not None,
+                attaching=attaching,
+                browse=browse,
+            )
+            self._subscriptions[subscription_id] = subscription
+            self._link_subscription[link] = subscription
+            self._pending.add(attaching)
+            link.open()
+        return attaching
 
-    def _settle_now(
+    def settle(
         self,
-        token: int,
+        delivery_token: int,
         outcome: Outcome,
-        tx: AmqpTransaction | None,
-        confirm: int | None = None,
+        *,
+        tx: AmqpTransaction | None = None,
+        token: int | None = None,
     ) -> None:
-        entry = self._incoming.pop(token, None)
+        """Settle a received message. A token of a delivery already settled, or of a link
+        that has ended, is ignored.
+
+        With ``token`` the outcome is sent unsettled and the delivery is settled only once the
+        broker has settled it, which the reference broker does when the outcome is durable
+        (or, inside a transaction, taken into it): ``on_settled(token, None)`` confirms it.
+        RabbitMQ cannot settle an outcome sent unsettled: there it is sent settled and
+        confirmed once written."""
+        self._require_open()
+        self.check_transaction(tx)
+        entry = self._incoming.pop(delivery_token, None)
         if entry is None:
-            if confirm is not None:
-                self._emit(self.events.on_settled, confirm, None)  # settled already
+            if token is not None:
+                self._emit(self.events.on_settled, token, None)  # settled already
             return
         delivery, _ = entry
+        with map_errors(self._broker_text()):
+            self._set_outcome(delivery, outcome, tx)
+        if token is not None and self._dialect is not _Dialect.RABBITMQ:
+            # Settled when the broker settles: once durable, or (in a transaction) once the
+            # broker has taken the outcome into the transaction, so a discharge sent after
+            # it cannot overtake it.
+            self._confirming[delivery] = token
+            return
+        # RabbitMQ 3.10 cannot settle an outcome sent unsettled: a disposition that does not
+        # say settled=true (proton leaves out the default, false) ends its session with an
+        # internal error. So there the outcome goes settled, and is confirmed once written.
+        delivery.settle()
+        if token is not None:
+            self._emit(self.events.on_settled, token, None)
+
+    @staticmethod
+    def _set_outcome(delivery: Delivery, outcome: Outcome, tx: AmqpTransaction | None) -> None:
         if tx is not None:
             code, fields = {
                 Outcome.ACCEPTED: (_ACCEPTED, list[Any]()),
@@ -1047,31 +914,21 @@ class AmqpTransport:
         else:
             delivery.local.failed = True
             delivery.update(Delivery.MODIFIED)
-        with self._lock:
-            dialect = self._dialect
-        if confirm is not None and dialect is not _Dialect.RABBITMQ:
-            # Settled when the broker settles: once durable, or (in a transaction) once the
-            # broker has taken the outcome into the transaction, so a discharge sent after
-            # it cannot overtake it.
-            self._confirming[delivery] = confirm
-            return
-        # RabbitMQ 3.10 cannot settle an outcome sent unsettled: a disposition that does not
-        # say settled=true (proton leaves out the default, false) ends its session with an
-        # internal error. So there the outcome goes settled, and is confirmed once written.
-        delivery.settle()
-        if confirm is not None:
-            self._emit(self.events.on_settled, confirm, None)
 
-    def _unsubscribe_now(self, subscription_id: str, remove_durable: bool) -> None:
+    def unsubscribe(self, subscription_id: str, *, remove_durable: bool = False) -> None:
+        """Stop a subscription; its unsettled messages go back to the broker. A durable
+        subscription is kept on the broker unless ``remove_durable``."""
+        self._require_open()
         subscription = self._subscriptions.get(subscription_id)
         if subscription is None:
             return
         link = subscription.link
         self._forget_subscription(subscription)
-        if subscription.durable and not remove_durable:
-            link.detach()  # a detach keeps a durable subscription, a close removes it
-        else:
-            link.close()
+        with map_errors(self._broker_text()):
+            if subscription.durable and not remove_durable:
+                link.detach()  # a detach keeps a durable subscription, a close removes it
+            else:
+                link.close()
 
     def _forget_subscription(self, subscription: _Subscription) -> None:
         self._subscriptions.pop(subscription.name, None)
@@ -1079,65 +936,116 @@ class AmqpTransport:
         for token in [t for t, (_, s) in self._incoming.items() if s is subscription]:
             del self._incoming[token]
 
-    def _temporary_queue_now(self, waiter: _Waiter[Destination]) -> None:
-        link = self._require_session().receiver(f"hafailover-temporary-{next(self._names)}")
-        link.source.dynamic = True
-        # No credit: this link only holds the queue; consumers subscribe to its address.
-        self._temporary_queues[link] = _TemporaryQueue(link, waiter)
-        self._pending.add(waiter)
-        link.open()
+    def create_temporary_queue(self) -> Pending[Destination]:
+        """A queue that lives as long as this connection (or ``delete_temporary_queue``)."""
+        self._require_open()
+        created: Pending[Destination] = Pending(f"{self._broker_text()}: create a temporary queue")
+        with map_errors(self._broker_text()):
+            link = self._require_session().receiver(f"hafailover-temporary-{next(self._names)}")
+            link.source.dynamic = True
+            # No credit: this link only holds the queue; consumers subscribe to its address.
+            self._temporary_queues[link] = _TemporaryQueue(link, created)
+            self._pending.add(created)
+            link.open()
+        return created
 
-    def _delete_temporary_now(self, destination: Destination) -> None:
+    def alias_temporary_queue(self, alias: Destination, created: Destination) -> None:
+        """Let ``alias`` (a temporary queue of an earlier connection) name ``created``, so an
+        application's destination keeps working after a reconnect recreated it (F5)."""
+        address = self._temporary.get(created)
+        if address is None:
+            raise IllegalStateError(f"{created} is not a temporary queue of this connection")
+        self._temporary[alias] = address
+
+    def delete_temporary_queue(self, destination: Destination) -> None:
+        self._require_open()
         for link, queue in list(self._temporary_queues.items()):
             if queue.destination == destination:
                 del self._temporary_queues[link]
                 link.close()
-        with self._lock:
-            self._temporary.pop(destination, None)
+        self._temporary.pop(destination, None)
 
-    def _declare_now(self, waiter: _Waiter[AmqpTransaction]) -> None:
-        self._send_control(Described(_DECLARE, [None]), declare=True, waiter=waiter)
+    def declare(self) -> Pending[AmqpTransaction]:
+        """Declare a local transaction; the Pending completes with its id."""
+        self._require_open()
+        declared: Pending[AmqpTransaction] = Pending(
+            f"{self._broker_text()}: declare a transaction"
+        )
+        self._send_control(Described(_DECLARE, [None]), declare=True, request=declared)
+        return declared
 
-    def _discharge_now(self, tx: AmqpTransaction, fail: bool, waiter: _Waiter[None]) -> None:
-        self._send_control(Described(_DISCHARGE, [tx.txn_id, fail]), declare=False, waiter=waiter)
+    def discharge(self, tx: AmqpTransaction, *, fail: bool) -> Pending[None]:
+        """Commit (``fail=False``) or roll back; the Pending completes once the broker has
+        settled it, or fails with ProtocolError if the broker refuses. A commit cut by the
+        loss of the connection fails with TransactionOutcomeUnknownError."""
+        self._require_open()
+        self.check_transaction(tx)
+        discharged: Pending[None] = Pending(
+            f"{self._broker_text()}: {'roll back' if fail else 'commit'} a transaction",
+            UnblockedError if fail else TransactionOutcomeUnknownError,
+        )
+        self._send_control(
+            Described(_DISCHARGE, [tx.txn_id, fail]), declare=False, request=discharged
+        )
+        return discharged
 
-    def _send_control(self, body: Described, *, declare: bool, waiter: _Waiter[Any]) -> None:
-        coordinator = self._coordinator
-        if coordinator is None:
-            coordinator = self._require_session().sender(f"hafailover-txn-{next(self._names)}")
-            coordinator.target.type = Terminus.COORDINATOR
-            coordinator.target.capabilities.put_object(_LOCAL_TRANSACTIONS)
-            coordinator.open()
-            self._coordinator = coordinator
-        delivery = coordinator.delivery(str(next(self._names)))
-        coordinator.stream(proton.Message(body=body).encode())
-        coordinator.advance()
-        self._control[delivery] = (declare, waiter)
-        self._pending.add(waiter)
+    def _send_control(self, body: Described, *, declare: bool, request: Pending[Any]) -> None:
+        with map_errors(self._broker_text()):
+            coordinator = self._coordinator
+            if coordinator is None:
+                coordinator = self._require_session().sender(f"hafailover-txn-{next(self._names)}")
+                coordinator.target.type = Terminus.COORDINATOR
+                coordinator.target.capabilities.put_object(_LOCAL_TRANSACTIONS)
+                coordinator.open()
+                self._coordinator = coordinator
+            delivery = coordinator.delivery(str(next(self._names)))
+            coordinator.stream(proton.Message(body=body).encode())
+            coordinator.advance()
+        self._control[delivery] = (declare, request)
+        self._pending.add(request)
 
-    def _close_now(self) -> None:
+    def close(self) -> None:
+        """Say goodbye: release every waiting request and send a Close. The broker's Close
+        (or ``abort``, when the caller stops waiting for it) ends the engine."""
+        self._closing = True
         connection = self._connection
+        if self.state is _State.NEW:
+            self.state = _State.ENDED
+            return
         if self._dead or connection is None or connection.state & Endpoint.LOCAL_CLOSED:
             self._shutdown()
             return
         self._dead = True
+        self.state = _State.ENDING
         self._release(closing=True)
         connection.close()
-        container = self._container
-        if container is not None:
-            self._grace = container.schedule(self._close_grace(), _Timer(self._shutdown))
 
-    def _abort_now(self) -> None:
+    def abort(self) -> None:
+        """End at once, without a Close."""
+        self._closing = True
+        if self.state is _State.NEW:
+            self.state = _State.ENDED
+            return
         self._dead = True
         self._release(closing=True)
         self._shutdown()
+
+    def _require_open(self) -> None:
+        if self.state is not _State.OPEN or self._dead:
+            raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
 
     def _require_session(self) -> Session:
         if self._session is None:
             raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
         return self._session
 
-    # Endings (reactor thread).
+    def _broker_text(self) -> str:
+        return self.broker.redacted() if self.broker is not None else "broker"
+
+    def _emit(self, callback: Callable[..., None], *args: Any) -> None:
+        self._outbox.append((callback, args))
+
+    # --- endings ------------------------------------------------------------------------------
 
     def _die(
         self,
@@ -1149,83 +1057,61 @@ class AmqpTransport:
     ) -> None:
         """The connection is gone (or never came): tell who needs to know, once, and stop.
 
-        ``condition``: the broker's or proton's reason, if any; ``refused``: what ``open``
-        raises instead of the error the condition names; ``blame_pending``: whether the
-        blocked calls get the condition as a refusal (else the calls it refused have had
-        it already, and the others are released as by a loss)."""
+        ``condition``: the broker's or proton's reason, if any; ``refused``: what the open
+        fails with instead of the error the condition names; ``blame_pending``: whether the
+        waiting requests get the condition as a refusal (else the requests it refused have
+        had it already, and the others are released as by a loss)."""
         if self._dead:
             self._shutdown()
             return
         self._dead = True
-        with self._lock:
-            if self._state in (_State.OPENING, _State.OPEN):
-                self._state = _State.ENDING
-            closing = self._closing
+        if self.state in (_State.OPENING, _State.OPEN):
+            self.state = _State.ENDING
         opening = self._opening
         self._opening = None
         if opening is not None:
             opening.fail(refused or _refusal(condition, self._broker_text()))
-        elif not closing and not self._lost_reported:
+        elif not self._closing and not self._lost_reported:
             self._lost_reported = True
             self._emit(self.events.on_lost, f"{self._broker_text()}: {reason}")
-        self._release(closing, reason, condition if blame_pending else None)
+        self._release(self._closing, reason, condition if blame_pending else None)
         self._shutdown()
 
-    @staticmethod
-    def _released_error(closing: bool) -> Callable[[str], HaFailoverError]:
-        def make(what: str) -> HaFailoverError:
-            if closing:
-                return ConnectionClosedError(f"{what}: the connection was closed")
-            return UnblockedError(f"{what}: the connection was lost")
-
-        return make
-
     def _release(self, closing: bool, reason: str = "", condition: Condition | None = None) -> None:
-        """Release every blocked call: the answer it waits for will never come.
+        """Release every waiting request: the answer it waits for will never come.
 
         When the broker ended the connection or session refusing a request (RabbitMQ ends
-        the session on a transaction or a dynamic node it does not implement), the calls
+        the session on a transaction or a dynamic node it does not implement), the requests
         get that refusal: repeating them after a reconnect would fail the same way."""
         pending, self._pending = self._pending, set()
         if self._opening is not None:
             pending.add(self._opening)
             self._opening = None
-        for waiter in pending:
+        for request in pending:
+            error: HaFailoverError
             if closing:
-                waiter.fail(ConnectionClosedError(f"{waiter.what}: the connection was closed"))
-            elif waiter.interrupted is UnblockedError and _refuses_request(condition):
-                waiter.fail(_condition_error(condition, waiter.what))
+                error = ConnectionClosedError(f"{request.what}: the connection was closed")
+            elif request.interrupted is UnblockedError and _refuses_request(condition):
+                error = _condition_error(condition, request.what)
             else:
                 lost = f"the connection was lost: {reason}" if reason else "the connection was lost"
-                waiter.fail(waiter.interrupted(f"{waiter.what}: {lost}"))
+                error = request.interrupted(f"{request.what}: {lost}")
+            # An event like the others, so a waiter wakes only once the driver has heard of
+            # the loss queued before it (``_die``): its failover has begun.
+            self._emit(request.fail, error)
         self._control.clear()
 
     def _shutdown(self) -> None:
-        """Drop the socket (if any) and let the reactor loop end."""
-        with self._lock:
-            if self._state in (_State.OPENING, _State.OPEN):
-                self._state = _State.ENDING
-        if self._grace is not None:
-            self._grace.cancel()
-            self._grace = None
-        connection = self._connection
-        transport = None if connection is None else connection.transport
+        """Close both ends of proton's transport: nothing more goes in or out."""
+        if self.state is _State.ENDED:
+            return
+        self.state = _State.ENDED
+        transport = self._transport
         if transport is not None:
-            # A connect still in progress has its socket in a private selectable of proton's
-            # IO handler, which nothing else would ever close: end it as proton does.
-            connecting = getattr(transport, "_connect_selectable", None)
-            if connecting is not None:
-                connecting.terminate()
-                connecting.update()
             with contextlib.suppress(proton.ProtonException):
                 transport.close_tail()
             with contextlib.suppress(proton.ProtonException):
                 transport.close_head()
-        container = self._container
-        if container is not None:
-            container.stop()
-
-    # proton's events (reactor thread), from _Handler.
 
     def _connection_opened(self, connection: Connection) -> None:
         if self._dead:
@@ -1242,10 +1128,10 @@ class AmqpTransport:
         self._session = session
         broker = self.broker
         assert broker is not None
-        with self._lock:
-            if self._state is _State.OPENING:
-                self._state = _State.OPEN
-            self._dialect = _Dialect.RABBITMQ if "rabbitmq" in product.lower() else self._dialect
+        if self.state is _State.OPENING:
+            self.state = _State.OPEN
+        if "rabbitmq" in product.lower():
+            self._dialect = _Dialect.RABBITMQ
         opening = self._opening
         self._opening = None
         opened = Opened(
@@ -1263,7 +1149,7 @@ class AmqpTransport:
             detects_duplicates=detects_duplicates(product),
         )
         if opening is not None and not opening.succeed(opened):
-            self._abort_now()  # open() gave up already
+            self.abort()  # whoever opened gave up waiting
 
     def _connection_closed_by_peer(self, connection: Connection) -> None:
         condition = connection.remote_condition
@@ -1316,7 +1202,7 @@ class AmqpTransport:
                 address = self._sender_addresses.get(delivery.link, "")
                 error = _condition_error(condition, f"{what}: send to {address} (not sent)")
                 self._emit(self.events.on_settled, token, error)
-        waiters: list[_Waiter[Any]] = []
+        waiters: list[Pending[Any]] = []
         for link in refused:
             subscription = self._link_subscription.get(link)
             if subscription is not None and subscription.attaching is not None:
@@ -1350,7 +1236,7 @@ class AmqpTransport:
                     link.drain(subscription.credit)
                 else:
                     link.flow(subscription.credit)
-            else:  # subscribe() gave up waiting
+            else:  # the subscriber gave up waiting
                 self._forget_subscription(subscription)
                 link.close()
             return
@@ -1362,12 +1248,13 @@ class AmqpTransport:
             name = address.removeprefix(_TEMP_QUEUE_PREFIX)
             destination = Destination(DestinationKind.TEMPORARY_QUEUE, name)
             queue.destination = destination
-            with self._lock:
-                self._temporary[destination] = address
+            self._temporary[destination] = address
             created, queue.attaching = queue.attaching, None
             self._pending.discard(created)
-            if not created.succeed(destination):
-                self._delete_temporary_now(destination)
+            if not created.succeed(destination):  # nobody waits for it any more
+                del self._temporary_queues[link]
+                self._temporary.pop(destination, None)
+                link.close()
 
     def _link_ended_by_peer(self, link: Link) -> None:
         condition = link.remote_condition
@@ -1532,10 +1419,10 @@ class AmqpTransport:
         remote = delivery.remote
         delivery.settle()
         if declare and state == _DECLARED and remote.data:
-            tx = AmqpTransaction(_txn_id(remote.data[0]), self._serial)
-            if not waiter.succeed(tx):  # declare() gave up waiting: end what it began
+            tx = AmqpTransaction(_txn_id(remote.data[0]), self.serial)
+            if not waiter.succeed(tx):  # nobody waits for it: end what it began
                 self._send_control(
-                    Described(_DISCHARGE, [tx.txn_id, True]), declare=False, waiter=_Waiter("")
+                    Described(_DISCHARGE, [tx.txn_id, True]), declare=False, request=Pending("")
                 )
             return
         if not declare and state == Delivery.ACCEPTED:
@@ -1562,13 +1449,6 @@ def _node_name(address: str) -> str:
     return address
 
 
-def _close_pipe(injector: EventInjector) -> None:
-    """proton never closes an EventInjector's pipe."""
-    for fd in injector.pipe:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
 def _set_state(delivery: Delivery, state: int, data: list[Any]) -> None:
     """Give a delivery a state proton has no setter for (declared, transactional)."""
     # proton annotates Disposition.data as a list of int; it is any AMQP list.
@@ -1593,85 +1473,37 @@ def _transactional_outcome(data: object) -> int:
     return names.get(_OUTCOME_NAMES.get(str(descriptor), ""), 0)
 
 
-class _IOHandler(IOHandler):
-    """proton's socket handler, holding the heart-beat back until the login is done.
-
-    proton enforces its idle timeout from the first byte, SASL included, but a broker may
-    take its time to refuse a login (RabbitMQ waits 3 s before a failed SASL outcome, to slow
-    password guessing): with a short heart-beat the refusal would read as a dead broker. So
-    the transport starts without an idle timeout (``connect_timeout`` bounds the handshake)
-    and gets one here, after the SASL outcome and before the Open that announces it, which
-    proton writes when this update asks how much output is pending.
-    """
-
-    def __init__(self, idle_timeout: float) -> None:
-        super().__init__()
-        self._idle_timeout = idle_timeout
-        self._armed = idle_timeout <= 0
-
-    # A static method in proton, always called through the handler instance (self.update,
-    # self._iohandler.update): an instance method here sees every call.
-    def update(  # type: ignore[override]
-        self, transport: proton.Transport, selectable: Any, now: float
-    ) -> None:
-        if not self._armed and transport.sasl().outcome == proton.SASL.OK:
-            self._armed = True
-            transport.idle_timeout = self._idle_timeout
-        IOHandler.update(transport, selectable, now)
+def _given(value: T | None) -> T:
+    """proton types an event's objects as optional; an event of each kind carries its own."""
+    assert value is not None
+    return value
 
 
-class _Handler(proton.Handler):
-    """proton's events, passed to the transport (on the reactor thread)."""
+def _on_link_flow(engine: AmqpEngine, event: Event) -> None:
+    if event.link is not None:
+        engine._link_flow(event.link)
 
-    def __init__(self, transport: AmqpTransport) -> None:
-        self._transport = transport
 
-    def on_hafailover_amqp_work(self, event: Any) -> None:
-        self._transport._work()
+def _on_transport_error(engine: AmqpEngine, event: Event) -> None:
+    engine._transport_failed(None if event.transport is None else event.transport.condition)
 
-    def on_connection_remote_open(self, event: Event) -> None:
-        connection = event.connection
-        assert connection is not None
-        self._transport._connection_opened(connection)
 
-    def on_connection_remote_close(self, event: Event) -> None:
-        connection = event.connection
-        assert connection is not None
-        self._transport._connection_closed_by_peer(connection)
+def _on_transport_closed(engine: AmqpEngine, event: Event) -> None:
+    condition = None if event.transport is None else event.transport.condition
+    engine._transport_failed(condition or Condition("connection closed"))
 
-    def on_session_remote_close(self, event: Event) -> None:
-        session = event.session
-        assert session is not None
-        self._transport._session_closed_by_peer(session)
 
-    def on_link_remote_open(self, event: Event) -> None:
-        link = event.link
-        assert link is not None
-        self._transport._link_opened(link)
-
-    def on_link_remote_close(self, event: Event) -> None:
-        link = event.link
-        assert link is not None
-        self._transport._link_ended_by_peer(link)
-
-    def on_link_remote_detach(self, event: Event) -> None:
-        self.on_link_remote_close(event)
-
-    def on_link_flow(self, event: Event) -> None:
-        link = event.link
-        if link is not None:
-            self._transport._link_flow(link)
-
-    def on_delivery(self, event: Event) -> None:
-        delivery = event.delivery
-        assert delivery is not None
-        self._transport._delivery_updated(delivery)
-
-    def on_transport_error(self, event: Event) -> None:
-        transport = event.transport
-        self._transport._transport_failed(None if transport is None else transport.condition)
-
-    def on_transport_closed(self, event: Event) -> None:
-        transport = event.transport
-        condition = None if transport is None else transport.condition
-        self._transport._transport_failed(condition or Condition("connection closed"))
+_HANDLERS: Final[dict[object, Callable[[AmqpEngine, Event], None]]] = {
+    Event.CONNECTION_REMOTE_OPEN: lambda e, ev: e._connection_opened(_given(ev.connection)),
+    Event.CONNECTION_REMOTE_CLOSE: lambda e, ev: e._connection_closed_by_peer(
+        _given(ev.connection)
+    ),
+    Event.SESSION_REMOTE_CLOSE: lambda e, ev: e._session_closed_by_peer(_given(ev.session)),
+    Event.LINK_REMOTE_OPEN: lambda e, ev: e._link_opened(_given(ev.link)),
+    Event.LINK_REMOTE_CLOSE: lambda e, ev: e._link_ended_by_peer(_given(ev.link)),
+    Event.LINK_REMOTE_DETACH: lambda e, ev: e._link_ended_by_peer(_given(ev.link)),
+    Event.LINK_FLOW: _on_link_flow,
+    Event.DELIVERY: lambda e, ev: e._delivery_updated(_given(ev.delivery)),
+    Event.TRANSPORT_ERROR: _on_transport_error,
+    Event.TRANSPORT_CLOSED: _on_transport_closed,
+}

@@ -1,0 +1,408 @@
+"""The socket, the reader thread and the lock of one AMQP connection.
+
+``adapters.amqp.AmqpEngine`` is proton with no I/O; this module is the I/O. One lock
+serializes the engine: a request is made under it and its bytes are written under it too (so
+they leave in the order proton produced them, and a send is on the wire when ``send``
+returns: one ``sendall`` per call, TCP_NODELAY, no thread hand-off on the way). One reader
+thread waits for the socket or for proton's next deadline (heart-beats, the broker's
+silence), pushes what it read and writes what proton answers. The events the engine queues
+are called with the lock released, by one thread at a time and in the order they were
+queued: whichever thread queued them calls them, unless another is calling events already,
+which then calls them too.
+
+A call that waits for the broker (open, subscribe, declare, discharge, a temporary queue)
+blocks its caller on the engine's ``Pending``, bounded by a timeout; waiting on the reader
+thread itself would deadlock, and raises IllegalStateError instead. A write that fails or
+does not finish within the broker's idle timeout is a loss noticed by the writer: the engine
+reports it once (``on_lost``), whatever thread noticed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+from hafailover.adapters.amqp import (
+    AmqpEngine,
+    AmqpEvents,
+    AmqpTransaction,
+    Outcome,
+    Pending,
+    encode_message,
+    map_errors,
+)
+from hafailover.adapters.base import Opened, TlsOptions
+from hafailover.destination import Destination
+from hafailover.errors import (
+    CallTimeoutError,
+    HaFailoverError,
+    IllegalStateError,
+    NotConnectedError,
+)
+from hafailover.message import Message
+from hafailover.url import BrokerAddress
+
+__all__ = ["AmqpTransport"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a clean close waits for the broker's Close before dropping the socket.
+_CLOSE_GRACE: Final = 2.0
+_READ_SIZE: Final = 256 * 1024
+
+
+class AmqpTransport:
+    """A single AMQP 1.0 connection; ``open`` blocks until the broker's Open or failure."""
+
+    def __init__(
+        self,
+        events: AmqpEvents,
+        *,
+        heartbeat: float = 1.0,
+        connect_timeout: float = 5.0,
+        call_timeout: float = 30.0,
+        tls: TlsOptions | None = None,
+    ) -> None:
+        """``heartbeat``: the broker is declared dead after twice this many seconds of
+        silence; the Open asks it to send something at least every ``heartbeat`` seconds
+        (0 turns both off). ``connect_timeout`` bounds ``open``, ``call_timeout`` the other
+        blocking calls unless they are given a timeout. ``tls``: how amqps checks the broker
+        (the system's CAs and its host name by default) and shows itself."""
+        self.events = events
+        self.heartbeat = heartbeat
+        self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
+        self.broker: BrokerAddress | None = None
+        self._engine = AmqpEngine(events, heartbeat=heartbeat, tls=tls)
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._reader: threading.Thread | None = None
+        self._dispatching = False
+        self._ended = threading.Event()  # the reader has left: the socket is closed
+
+    @property
+    def serial(self) -> int:
+        """Names this connection in the transactions it declares."""
+        return self._engine.serial
+
+    # --- opening ------------------------------------------------------------------------------
+
+    def open(self, broker: BrokerAddress) -> Opened:
+        """Connect, log in and open; raise NotConnectedError or SecurityError if that fails.
+
+        A transport opens once: the driver makes a new one for every connection."""
+        deadline = time.monotonic() + self.connect_timeout
+        with self._lock:
+            opening = self._engine.start(broker)
+        self.broker = broker
+        try:
+            sock = socket.create_connection(
+                (broker.host, broker.port), timeout=self.connect_timeout
+            )
+        except OSError as exc:
+            with self._lock:
+                self._engine.abort()
+            self._ended.set()
+            raise NotConnectedError(f"cannot connect to {broker.redacted()}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Bounds a write the broker does not take (its buffers full: a broker stopped, or
+        # a network gone quiet); reads wait in poll() and never block on the timeout.
+        sock.settimeout(2 * self.heartbeat if self.heartbeat > 0 else self.call_timeout)
+        self._socket = sock
+        reader = threading.Thread(
+            target=self._read_loop, name=f"hafailover-amqp {broker.host}:{broker.port}", daemon=True
+        )
+        self._reader = reader
+        try:
+            return self._wait(
+                lambda: opening, max(0.0, deadline - time.monotonic()), start=reader.start
+            )
+        except CallTimeoutError:
+            self.abort()
+            raise NotConnectedError(
+                f"{broker.redacted()} did not open within {self.connect_timeout:g}s"
+            ) from None
+        except HaFailoverError:
+            self.abort()
+            raise
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def send(
+        self,
+        token: int,
+        destination: Destination,
+        message: Message,
+        *,
+        duplicate_detection: bool,
+        tx: AmqpTransaction | None = None,
+    ) -> int:
+        """Send without waiting; the broker's outcome arrives as ``on_settled(token, ...)``.
+
+        Returns the size of the encoded message in bytes."""
+        engine = self._engine
+        with self._lock:
+            engine.check_transaction(tx)
+            address = engine.address(destination)
+            durable = engine.durable_node(destination)
+            reply_to = None if message.reply_to is None else engine.address(message.reply_to)
+        # Encoded outside the lock: the reader goes on meanwhile.
+        with map_errors(self._broker_text()):
+            payload = encode_message(
+                message, address, reply_to=reply_to, duplicate_detection=duplicate_detection
+            )
+        self._request(lambda: engine.transfer(token, address, durable, payload, tx))
+        return len(payload)
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def subscribe(
+        self,
+        subscription_id: str,
+        destination: Destination,
+        *,
+        credit: int,
+        settle_on_delivery: bool,
+        durable_name: str | None = None,
+        timeout: float | None = None,
+        browse: bool = False,
+    ) -> None:
+        """Attach a receiver and wait until the broker has (``AmqpEngine.subscribe``)."""
+        self._wait(
+            lambda: self._engine.subscribe(
+                subscription_id,
+                destination,
+                credit=credit,
+                settle_on_delivery=settle_on_delivery,
+                durable_name=durable_name,
+                browse=browse,
+            ),
+            timeout,
+        )
+
+    def settle(
+        self,
+        delivery: int,
+        outcome: Outcome,
+        *,
+        tx: AmqpTransaction | None = None,
+        token: int | None = None,
+    ) -> None:
+        """Settle a received message without waiting (``AmqpEngine.settle``)."""
+        self._request(lambda: self._engine.settle(delivery, outcome, tx=tx, token=token))
+
+    def unsubscribe(self, subscription_id: str, *, remove_durable: bool = False) -> None:
+        """Stop a subscription without waiting; its unsettled messages go back to the broker.
+        A durable subscription is kept on the broker unless ``remove_durable``."""
+        self._request(
+            lambda: self._engine.unsubscribe(subscription_id, remove_durable=remove_durable)
+        )
+
+    def create_temporary_queue(self, *, timeout: float | None = None) -> Destination:
+        """A queue that lives as long as this connection (or ``delete_temporary_queue``)."""
+        return self._wait(self._engine.create_temporary_queue, timeout)
+
+    def alias_temporary_queue(self, alias: Destination, created: Destination) -> None:
+        """Let ``alias`` (a temporary queue of an earlier connection) name ``created``."""
+        with self._lock:
+            self._engine.alias_temporary_queue(alias, created)
+
+    def delete_temporary_queue(self, destination: Destination) -> None:
+        self._request(lambda: self._engine.delete_temporary_queue(destination))
+
+    # --- transactions -------------------------------------------------------------------------
+
+    def declare(self, *, timeout: float | None = None) -> AmqpTransaction:
+        """Declare a local transaction and wait for its id."""
+        return self._wait(self._engine.declare, timeout)
+
+    def discharge(self, tx: AmqpTransaction, *, fail: bool, timeout: float | None = None) -> None:
+        """Commit (``fail=False``) or roll back, and wait until the broker has settled it.
+
+        Raises ProtocolError if the broker refuses; a commit cut by the loss of the
+        connection raises TransactionOutcomeUnknownError."""
+        self._wait(lambda: self._engine.discharge(tx, fail=fail), timeout)
+
+    # --- ending -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Say goodbye (Close) and wait briefly for the broker's; never hangs."""
+        self._finish(clean=True)
+
+    def abort(self) -> None:
+        """Drop the socket without a Close."""
+        self._finish(clean=False)
+
+    def _finish(self, *, clean: bool) -> None:
+        with self._lock:
+            if clean:
+                self._engine.close()
+            else:
+                self._engine.abort()
+            self._flush()
+        self._dispatch()
+        reader = self._reader
+        here = threading.current_thread()
+        if reader is None or reader.ident is None:  # never started: nobody else closes it
+            self._close_socket()
+            self._ended.set()
+            return
+        if reader is not here:
+            self._ended.wait(min(_CLOSE_GRACE, self.connect_timeout) if clean else 0.0)
+        with self._lock:
+            if not self._engine.ended:
+                self._engine.abort()  # the broker did not answer the Close in time
+        self._dispatch()
+        self._wake_reader()
+        if reader is not here:
+            reader.join(_CLOSE_GRACE + 2.0)
+
+    # --- under the lock -----------------------------------------------------------------------
+
+    def _request(self, request: Callable[[], None]) -> None:
+        """Make a request that does not wait, write what it produced, call its events."""
+        with self._lock:
+            request()
+            events = self._flush()
+        if events:
+            self._dispatch()
+
+    def _wait(
+        self,
+        request: Callable[[], Pending[T]],
+        timeout: float | None,
+        *,
+        start: Callable[[], None] | None = None,
+    ) -> T:
+        if threading.current_thread() is self._reader:
+            raise IllegalStateError(
+                "a call that waits for the broker, made on the thread that reads its answers, "
+                "would never end: make it from another thread"
+            )
+        answered = threading.Event()
+        with self._lock:
+            pending = request()
+            pending.notify = answered.set
+            if pending.done:
+                answered.set()
+            events = self._flush()
+        if start is not None:
+            start()
+        if events:
+            self._dispatch()
+        limit = self.call_timeout if timeout is None else timeout
+        if not answered.wait(limit):
+            with self._lock:
+                if not pending.done:
+                    pending.abandoned = True
+                    raise CallTimeoutError(f"{pending.what}: no answer within {limit:g}s")
+        return pending.result()
+
+    def _flush(self) -> bool:
+        """Write what proton has to say (under the lock); return whether events are queued.
+
+        A write that fails is the connection's loss, noticed here."""
+        engine = self._engine
+        data = engine.output()
+        sock = self._socket
+        if data and sock is not None:
+            try:
+                sock.sendall(data)
+            except OSError as exc:
+                reason = (
+                    "no write within the idle timeout" if isinstance(exc, TimeoutError) else exc
+                )
+                engine.input_closed(f"writing failed: {reason}", time.monotonic())
+                self._wake_reader()
+        return engine.has_events
+
+    # --- the reader thread --------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        sock = self._socket
+        assert sock is not None
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        engine = self._engine
+        try:
+            while True:
+                with self._lock:
+                    deadline = engine.tick(time.monotonic())
+                    self._flush()
+                    ended = engine.ended
+                self._dispatch()
+                if ended:
+                    return
+                wait = None if not deadline else max(0.0, deadline - time.monotonic())
+                ready = poller.poll(None if wait is None else wait * 1000.0)
+                if not ready:
+                    continue  # proton's deadline: the tick at the top
+                try:
+                    data = sock.recv(_READ_SIZE)
+                    reason = "" if data else "closed by the broker"
+                except OSError as exc:
+                    data, reason = b"", f"reading failed: {exc}"
+                with self._lock:
+                    if data:
+                        engine.received(data, time.monotonic())
+                    else:
+                        engine.input_closed(reason, time.monotonic())
+                    self._flush()
+                    ended = engine.ended
+                self._dispatch()
+                if ended:
+                    return
+        except Exception:  # a bug here must end the connection, not leave it hanging
+            log.exception("amqp %s: the reader failed", self._broker_text())
+            with self._lock:
+                engine.input_closed("the reader failed", time.monotonic())
+            self._dispatch()
+        finally:
+            self._close_socket()
+            self._ended.set()
+
+    def _dispatch(self) -> None:
+        """Call the queued events, in order, one thread at a time, without the lock."""
+        while True:
+            with self._lock:
+                if self._dispatching:
+                    return  # the thread calling events now calls these too
+                events = self._engine.take_events()
+                if not events:
+                    return
+                self._dispatching = True
+            try:
+                for callback, args in events:
+                    self._call(callback, args)
+            finally:
+                with self._lock:
+                    self._dispatching = False
+
+    def _call(self, callback: Callable[..., None], args: tuple[Any, ...]) -> None:
+        try:
+            callback(*args)
+        except Exception:  # a driver callback that raises must not end the connection
+            log.exception("amqp %s: event callback %r failed", self._broker_text(), callback)
+
+    def _wake_reader(self) -> None:
+        sock = self._socket
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _close_socket(self) -> None:
+        sock = self._socket
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _broker_text(self) -> str:
+        return self.broker.redacted() if self.broker is not None else "broker"
