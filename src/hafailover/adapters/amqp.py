@@ -1163,16 +1163,19 @@ class AmqpEngine:
             return
         # Every link lived on this session: without it the connection is of no use.
         condition = session.remote_condition
-        blamed = _refuses_request(condition) and self._refuse_attaching(condition)
+        refused = self._refuse_attaching(condition) if _refuses_request(condition) else None
         self._die(
             f"the broker ended the session: {_condition_text(condition)}",
             condition,
-            blame_pending=not blamed,
+            blame_pending=refused is None,
         )
+        # After the loss: a caller that wakes with its refusal finds the failover begun.
+        for request in refused or ():
+            self._emit(request.fail, _condition_error(condition, request.what))
 
-    def _refuse_attaching(self, condition: Condition | None) -> bool:
-        """Give a refusal that ended the session to the requests it refused; return whether
-        any was found.
+    def _refuse_attaching(self, condition: Condition | None) -> list[Pending[Any]] | None:
+        """Find the requests a refusal that ended the session refused: settle their sends
+        with it and return the waiting requests it refused (None: it refused nothing here).
 
         RabbitMQ refuses an attach (a queue whose durability differs, a transaction
         coordinator) by ending the session with the reason. The links the broker had not
@@ -1194,7 +1197,7 @@ class AmqpEngine:
         ]
         refused = set(named) if named else {link for link, _ in attaching}
         if not refused:
-            return False
+            return None
         what = self._broker_text()
         for delivery, token in list(self._outgoing.items()):
             if delivery.link in refused:
@@ -1217,8 +1220,7 @@ class AmqpEngine:
         )
         for waiter in waiters:
             self._pending.discard(waiter)
-            waiter.fail(_condition_error(condition, waiter.what))
-        return True
+        return waiters
 
     def _transport_failed(self, condition: Condition | None) -> None:
         self._die(_condition_text(condition), condition)
