@@ -6,8 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hafailover.errors import ErrorCode, IllegalStateError
+from hafailover.errors import (
+    CallTimeoutError,
+    DisconnectedError,
+    ErrorCode,
+    IllegalStateError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
+)
 from hafailover.tx import CommitAction, TransactionState, TxPhase
+from hafailover.tx.state import CommitDecision
 
 
 def dirty() -> TransactionState:
@@ -228,3 +236,47 @@ def test_every_phase_and_input(ops: list[tuple[object, ...]]) -> None:
             assert tx.phase is phase
             assert phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT)
         assert tx.dirty == (tx.phase is not TxPhase.CLEAN)
+
+
+@pytest.mark.parametrize(
+    ("code", "cause", "raised", "says"),
+    [
+        (
+            ErrorCode.TRANSACTION_ROLLED_BACK,
+            None,
+            TransactionRolledBackError,
+            "lost its connection",
+        ),
+        (
+            ErrorCode.TRANSACTION_ROLLED_BACK,
+            CallTimeoutError("slow"),
+            TransactionRolledBackError,
+            "timed out",
+        ),
+        (
+            ErrorCode.TRANSACTION_OUTCOME_UNKNOWN,
+            None,
+            TransactionOutcomeUnknownError,
+            "may or may not",
+        ),
+        (
+            ErrorCode.TRANSACTION_OUTCOME_UNKNOWN,
+            DisconnectedError("gone"),
+            DisconnectedError,
+            "gone; the commit was sent and may or may not",
+        ),
+        (
+            ErrorCode.TRANSACTION_ROLLED_BACK,
+            DisconnectedError("gone"),
+            DisconnectedError,
+            "gone; the transaction was rolled back",
+        ),
+    ],
+)
+def test_an_interrupted_commit_raises_what_its_fate_says(
+    code: ErrorCode, cause: BaseException | None, raised: type[Exception], says: str
+) -> None:
+    """F3, F2: the error a commit caught without an answer raises is decided here alone."""
+    error = CommitDecision(CommitAction.RAISE, code).interrupted_error(cause)
+    assert type(error) is raised
+    assert says in str(error)

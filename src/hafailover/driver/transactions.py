@@ -20,7 +20,6 @@ from hafailover.errors import (
     CallTimeoutError,
     ConfigurationError,
     DisconnectedError,
-    ErrorCode,
     HaFailoverError,
     IllegalStateError,
     NotConnectedError,
@@ -30,7 +29,7 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.sessions import CallKind
-from hafailover.tx.state import CommitAction, CommitDecision, TxPhase
+from hafailover.tx.state import CommitAction, TxPhase
 
 if TYPE_CHECKING:
     from hafailover.driver.connection import Connection
@@ -159,7 +158,7 @@ class Transactions:
             fate = transaction.commit_interrupted()
             undo = (timed_out and unwritten) or fate.rollback_on_broker
             handle = self._take_tx() if undo else None
-            error = self._interrupted_error(fate, exc)
+            error = fate.interrupted_error(exc)
             tx_rules.transaction_ended()
             self._tx = None
             if undo:
@@ -169,30 +168,6 @@ class Transactions:
         if undo:
             self._end_on_broker(handle, commit=False, received=received, quiet=True)
         raise error from None
-
-    @staticmethod
-    def _interrupted_error(fate: CommitDecision, exc: BaseException | None) -> HaFailoverError:
-        """What an interrupted commit raises: rolled back (never written), outcome unknown,
-        or, once the connection is lost for good, DisconnectedError (F2) saying which."""
-        rolled_back = fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
-        timed_out = isinstance(exc, CallTimeoutError)
-        if isinstance(exc, DisconnectedError):
-            outcome = (
-                "the transaction was rolled back"
-                if rolled_back
-                else "the commit was sent and may or may not have happened"
-            )
-            return DisconnectedError(f"{exc}; {outcome}")
-        if rolled_back:
-            why = "timed out" if timed_out else "lost its connection"
-            return TransactionRolledBackError(
-                f"the commit {why} before it reached the broker; the transaction was rolled back"
-            )
-        why = "timed out" if timed_out else "its connection was lost"
-        return TransactionOutcomeUnknownError(
-            f"the commit was sent but {why} before the broker answered; it may or may "
-            "not have happened (retry with the same duplicate ids to be safe)"
-        )
 
     def rollback(self) -> None:
         """Roll the transaction back; always succeeds and cleans the session (F9)."""

@@ -40,7 +40,15 @@ import enum
 
 import attrs
 
-from hafailover.errors import ErrorCode, IllegalStateError
+from hafailover.errors import (
+    CallTimeoutError,
+    DisconnectedError,
+    ErrorCode,
+    HaFailoverError,
+    IllegalStateError,
+    TransactionOutcomeUnknownError,
+    TransactionRolledBackError,
+)
 
 __all__ = ["CommitAction", "CommitDecision", "RollbackDecision", "TransactionState", "TxPhase"]
 
@@ -64,6 +72,30 @@ class CommitDecision:
     action: CommitAction
     code: ErrorCode | None = None  # the error to raise, for the two raising actions
     rollback_on_broker: bool = False  # the broker still holds the transaction
+
+    def interrupted_error(self, cause: BaseException | None) -> HaFailoverError:
+        """What a commit whose wait ended without an answer raises (F3), given why it
+        ended (``cause``): rolled back, outcome unknown, or, once the connection is lost for
+        good, DisconnectedError (F2) saying which of the two."""
+        rolled_back = self.code is ErrorCode.TRANSACTION_ROLLED_BACK
+        timed_out = isinstance(cause, CallTimeoutError)
+        if isinstance(cause, DisconnectedError):
+            outcome = (
+                "the transaction was rolled back"
+                if rolled_back
+                else "the commit was sent and may or may not have happened"
+            )
+            return DisconnectedError(f"{cause}; {outcome}")
+        if rolled_back:
+            why = "timed out" if timed_out else "lost its connection"
+            return TransactionRolledBackError(
+                f"the commit {why} before it reached the broker; the transaction was rolled back"
+            )
+        why = "timed out" if timed_out else "its connection was lost"
+        return TransactionOutcomeUnknownError(
+            f"the commit was sent but {why} before the broker answered; it may or may "
+            "not have happened (retry with the same duplicate ids to be safe)"
+        )
 
 
 @attrs.frozen
