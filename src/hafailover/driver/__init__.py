@@ -1,8 +1,10 @@
 """The threaded driver: the public API's classes and the only place with threads and locks.
 
 ``connection`` holds the lock, the threads and the executor of what the pure core decides;
-``session``, ``producer``, ``consumer`` and ``browser`` are the API's thin classes;
-``completions`` and ``notifier`` are how calls wait and how listeners are told.
+``calls`` admits and waits, ``link_events`` takes what links report; ``session``,
+``producer``, ``consumer``, ``browser`` and ``transactions`` are the API's thin classes;
+``completions`` and ``notifier`` are how calls wait and how listeners are told;
+``amqp_io`` is the socket, reader thread and lock under the sans-I/O AMQP engine.
 """
 
 from hafailover.driver.browser import Browser

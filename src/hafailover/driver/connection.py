@@ -35,7 +35,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -51,8 +51,8 @@ from hafailover.driver.events import (
     ConnectionStatistics,
     FailoverCompleted,
     FailoverFailed,
-    FailureDetected,
 )
+from hafailover.driver.link_events import Deferred, LinkEventHandlers, run_deferred
 from hafailover.driver.notifier import Notifier, call_listener
 from hafailover.errors import (
     ConfigurationError,
@@ -63,7 +63,6 @@ from hafailover.errors import (
     HaFailoverError,
     LocalError,
     NotConnectedError,
-    ProtocolError,
     SecurityError,
     UnblockedError,
 )
@@ -78,7 +77,6 @@ from hafailover.failover import (
     FailoverState,
     FailPendingCalls,
     LearnTopology,
-    Lost,
     NotifyListener,
     ReattachSessions,
     RecreateSessions,
@@ -100,10 +98,6 @@ if TYPE_CHECKING:
     from hafailover.driver.session import Session
 
 __all__ = ["Connection", "connect", "error_for"]
-
-# What is done once the lock is released: blocking I/O, a thread to start, or a completion's
-# callback with its completion.
-Deferred = Callable[[], None] | Callback
 
 log = logging.getLogger("hafailover")
 
@@ -142,7 +136,7 @@ def connect(
     return connection
 
 
-class Connection(Calls):
+class Connection(Calls, LinkEventHandlers):
     """A connection that keeps working through failover. Use ``connect()`` to make one."""
 
     def __init__(
@@ -286,7 +280,7 @@ class Connection(Calls):
             link = self._link
             after = self._apply(self._machine.handle(CloseRequested()))
         self._cancel.set()
-        _run(after)
+        run_deferred(after)
         if link is not None:
             with contextlib.suppress(Exception):
                 link.close()
@@ -393,7 +387,7 @@ class Connection(Calls):
             )
             after = self._apply(self._machine.handle(connected))
             self._take_early_deliveries(link)
-        _run(after)  # the recreation's I/O, outside the lock
+        run_deferred(after)  # the recreation's I/O, outside the lock
         with self._cond:
             machine = self._machine
             if machine.state is not FailoverState.RESTORING or machine.link != link.serial:
@@ -401,7 +395,7 @@ class Connection(Calls):
             if opened.resumed:
                 self._reattached += 1
             after = self._apply(machine.handle(Restored()))
-        _run(after)
+        run_deferred(after)
 
     def _run_reconnect(self) -> None:
         try:
@@ -413,7 +407,7 @@ class Connection(Calls):
             attempts = exc.attempts if isinstance(exc, AttemptsExhausted) else self._attempts
             with self._cond:
                 after = self._apply(self._machine.handle(Exhausted(attempts, reason)))
-            _run(after)
+            run_deferred(after)
 
     # --- carrying out the machine's effects -------------------------------------------------
 
@@ -558,102 +552,3 @@ class Connection(Calls):
                 call_listener(exception_listener, error)
 
         self._notifier.post(tell)
-
-    # --- link events (transport threads) -----------------------------------------------------
-
-    def link_message(self, link: Any, subscription: str, tag: str, message: Message) -> None:
-        with self._cond:
-            if link is not self._link:
-                if link is self._opening:
-                    # Before the attempt made it the connection's: kept for _prepare.
-                    self._early.append((subscription, tag, message))
-                return  # else a late delivery of a link replaced by a failover
-            self._route_message(subscription, tag, message)
-
-    def _take_early_deliveries(self, link: Link) -> None:
-        """Under the lock, once ``link`` is the connection's and the failover rules are
-        applied: route what it delivered while it was still being opened."""
-        early = self._early if link is self._opening else []
-        self._opening, self._early = None, []
-        for subscription, tag, message in early:
-            self._route_message(subscription, tag, message)
-
-    def _route_message(self, subscription: str, tag: str, message: Message) -> None:
-        """Under the lock: a delivery of the current link to its browser or consumer."""
-        browser = self._browsing.get(subscription)
-        if browser is not None:
-            browser._buffer.append(message)
-            self._cond.notify_all()
-            return
-        for session in self._sessions.values():
-            consumer = session._consumers.get(subscription)
-            if consumer is not None:
-                consumer._arrived(tag, message)
-                return
-
-    def link_completed(self, link: Any, token: int, error: HaFailoverError | None) -> None:
-        with self._cond:
-            waiting = self._waiting.get(token)
-            answer = self._core.answered(token, error)
-            callbacks = self._end_calls(answer.done, None)
-            if answer.failed:
-                callbacks.extend(self._end_calls(answer.failed, error))
-            if answer.refused_subscriptions and waiting is not None and waiting.consumer:
-                # The broker refused the subscription: the consumer is gone, so a
-                # reconnect does not ask again (and get refused again).
-                consumer = waiting.consumer
-                consumer._closed = True
-                consumer.session._consumers.pop(consumer.subscription, None)
-        _run(callbacks)
-
-    def link_confirmed(self, link: Any, upto: int) -> None:
-        with self._cond:
-            current = self._link
-            if current is None or link is not current or not current.windowed:
-                return
-            if self._core.confirmed_upto(upto):
-                self._cond.notify_all()  # room in the window for blocked senders
-
-    def link_browse_end(self, link: Any, subscription: str) -> None:
-        with self._cond:
-            browser = self._browsing.get(subscription)
-            if browser is not None and link is self._link:
-                browser._ended = True
-                self._cond.notify_all()
-
-    def link_error(self, link: Any, error: ProtocolError) -> None:
-        log.warning("%s", error)
-        self._notify_all(None, error)
-
-    def link_lost(self, link: Any, reason: str) -> None:
-        """The reader, a heartbeat or a failed write noticed ``link`` is gone."""
-        with self._cond:
-            if self._closing:
-                return
-            from_broker = link.broker.redacted()
-            effects = self._machine.handle(Lost(reason, link=link.serial))
-            if effects:
-                # The first notice of the current link's loss (the machine ignores the rest).
-                self._lost_at = time.monotonic()
-                self._lost_reason = reason
-                self._lost_from = from_broker
-                log.warning("connection to %s lost: %s; failing over", from_broker, reason)
-                for browser in self._browsing.values():
-                    browser._invalidate()  # F11: the rest of its snapshot died with the link
-                self._notify_all(FailureDetected(from_broker, reason), None)
-            after = self._apply(effects)
-        _run(after)
-
-
-def _run(actions: Iterable[Deferred]) -> None:
-    """Outside the lock: run deferred I/O and completion callbacks (a callback that raises
-    is logged, never fatal)."""
-    for action in actions:
-        if isinstance(action, tuple):
-            callback, completion = action
-            try:
-                callback(completion)
-            except Exception:
-                log.exception("a send completion callback raised (ignored)")
-        else:
-            action()
