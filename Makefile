@@ -41,6 +41,7 @@ bench: $(STAMPS)/venv
 	$(PY) benchmarks/broker.py
 	$(PY) benchmarks/client.py
 	$(PY) benchmarks/paths.py
+	$(PY) benchmarks/aio.py
 	$(PY) benchmarks/spark.py
 
 clean:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from hafailover.driver.consumer import Consumer
     from hafailover.driver.producer import Producer
 
-__all__ = ["Calls", "error_for"]
+__all__ = ["Calls", "WatchedCondition", "WouldBlock", "error_for"]
 
 
 class _Owner(Protocol):
@@ -64,11 +64,37 @@ def error_for(code: ErrorCode, text: str) -> HaFailoverError:
     return _ERRORS_BY_CODE.get(code, NotConnectedError)(text)
 
 
+class WatchedCondition(threading.Condition):
+    """The connection's condition. Every ``notify_all`` (a call ended, room in the window,
+    a delivery buffered, the connection back or gone) is also told to ``watcher``, which
+    must never block: how hafailover.aio's event loop learns to look again."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.RLock())
+        self.watcher: Callable[[], None] | None = None
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        watcher = self.watcher
+        if watcher is not None:
+            watcher()
+
+
+class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and hafailover.aio, not an error
+    """A call made not to block would have to wait: for the connection to come back (F1),
+    for room in the confirmation window, or for ``completion`` (a previous AUTO
+    acknowledge). Nothing was sent; the caller waits its own way and asks again."""
+
+    def __init__(self, completion: SendCompletion | None = None) -> None:
+        super().__init__("the call would block")
+        self.completion = completion
+
+
 class Calls:
     """Admission, registration and waiting; mixed into ``Connection``, whose state it uses."""
 
     policy: FailoverPolicy
-    _cond: threading.Condition
+    _cond: WatchedCondition
     _machine: FailoverMachine
     _core: SessionsCore
     _link: Link | None
@@ -88,8 +114,9 @@ class Calls:
         if self._closing:
             raise ConnectionClosedError("the connection is closed")
 
-    def _admit(self, deadline: float | None) -> Link:
-        """Under the lock: wait while failing over (F1); return the link to use."""
+    def _admit(self, deadline: float | None, *, block: bool = True) -> Link:
+        """Under the lock: wait while failing over (F1); return the link to use.
+        ``block=False``: raise WouldBlock instead of waiting."""
         while True:
             admission, code = self._machine.admit()
             if admission is Admission.PROCEED and self._link is not None:
@@ -103,6 +130,8 @@ class Calls:
                     f"the connection did not come back within call_failover_timeout "
                     f"({self.policy.call_failover_timeout}s)"
                 )
+            if not block:
+                raise WouldBlock
             self._cond.wait(remaining)
 
     def _failover_deadline(self) -> float | None:
@@ -205,12 +234,15 @@ class Calls:
                     budget -= now - last
                 last = now
 
-    def _wait_window_room(self, size: int, deadline: float | None) -> Link:
-        """Under the lock: admission plus window flow control (F4)."""
+    def _wait_window_room(self, size: int, deadline: float | None, *, block: bool = True) -> Link:
+        """Under the lock: admission plus window flow control (F4). ``block=False``: raise
+        WouldBlock instead of waiting."""
         while True:
-            link = self._admit(deadline)
+            link = self._admit(deadline, block=block)
             if self._core.has_room(size, windowed=link.windowed):
                 return link
+            if not block:
+                raise WouldBlock
             if not self._cond.wait(self.policy.call_timeout):
                 raise CallTimeoutError(
                     f"the broker confirmed nothing for {self.policy.call_timeout}s while the "

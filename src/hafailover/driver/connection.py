@@ -44,7 +44,7 @@ from hafailover._links import Link, LinkFactory, make_link
 from hafailover.ack_modes import AckMode
 from hafailover.adapters.base import Opened
 from hafailover.destination import Destination
-from hafailover.driver.calls import Calls, error_for
+from hafailover.driver.calls import Calls, WatchedCondition, error_for
 from hafailover.driver.completions import Callback, Waiting
 from hafailover.driver.events import (
     ConnectionEvent,
@@ -149,7 +149,7 @@ class Connection(Calls, LinkEventHandlers):
     ) -> None:
         self.policy = policy
         self._link_factory = link_factory
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = WatchedCondition()
         self._machine = FailoverMachine(reconnect_enabled=policy.reconnect_attempts != 0)
         self._core = SessionsCore(policy.confirmation_window_size)
         self._window = self._core.window

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final
 from hafailover._links import Link
 from hafailover.ack_modes import AckAction, AckMode
 from hafailover.destination import Destination
-from hafailover.driver.calls import error_for
+from hafailover.driver.calls import WouldBlock, error_for
 from hafailover.driver.completions import SendCompletion
 from hafailover.errors import (
     AcknowledgeFailedError,
@@ -214,33 +214,56 @@ class Consumer:
     def receive(self, timeout: float | None = None) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: forever); None when
         none came. Waits through failover (F1)."""
+        self._check_receive()
         session = self.session
-        session._check_open()
-        if self._listener is not None:
-            raise IllegalStateError(
-                "this consumer has a message listener; receive() is not allowed"
-            )
         connection = session.connection
         deadline = None if timeout is None else time.monotonic() + timeout
         session._confirm_last_ack()
         with connection._cond:
-            while True:
-                if self._closed or session._closed:
-                    raise ConnectionClosedError("the consumer is closed")
-                admission, code = connection._machine.admit()
-                if admission is Admission.RAISE and not self._buffer:
-                    assert code is not None
-                    raise error_for(code, f"the connection is {connection._machine.state.value}")
-                if connection._started and self._buffer and connection._machine.is_up:
-                    message = self._take()
-                    if message is not None:
-                        break
+            while (message := self._next()) is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
                 connection._cond.wait(remaining if remaining is not None else 1.0)
         self._after_delivery(message)
         return message
+
+    def _receive_now(self) -> Message | None:
+        """The next message if one can be handed out without waiting, else None; raises
+        WouldBlock while the previous AUTO acknowledge is unconfirmed (F6), with it."""
+        self._check_receive()
+        session = self.session
+        last_ack = session._auto_ack
+        if last_ack is not None and not last_ack.done():
+            raise WouldBlock(last_ack)
+        session._confirm_last_ack()  # done: raises what it failed with, if it did
+        with session.connection._cond:
+            message = self._next()
+        if message is not None:
+            self._after_delivery(message)
+        return message
+
+    def _check_receive(self) -> None:
+        self.session._check_open()
+        if self._listener is not None:
+            raise IllegalStateError(
+                "this consumer has a message listener; receive() is not allowed"
+            )
+
+    def _next(self) -> Message | None:
+        """Under the lock: the next message if one can be handed out now; raises once the
+        consumer or the connection is done."""
+        session = self.session
+        connection = session.connection
+        if self._closed or session._closed:
+            raise ConnectionClosedError("the consumer is closed")
+        admission, code = connection._machine.admit()
+        if admission is Admission.RAISE and not self._buffer:
+            assert code is not None
+            raise error_for(code, f"the connection is {connection._machine.state.value}")
+        if connection._started and self._buffer and connection._machine.is_up:
+            return self._take()
+        return None
 
     def receive_no_wait(self) -> Message | None:
         return self.receive(0)

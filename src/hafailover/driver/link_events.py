@@ -9,12 +9,12 @@ holds no state of its own. An event of a link the connection has replaced is ign
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hafailover._links import Link
+from hafailover.driver.calls import WatchedCondition
 from hafailover.driver.completions import Callback, Waiting
 from hafailover.driver.events import ConnectionEvent, FailureDetected
 from hafailover.errors import HaFailoverError, ProtocolError
@@ -38,7 +38,7 @@ Deferred = Callable[[], None] | Callback
 class LinkEventHandlers:
     """The ``LinkEvents`` of ``Connection``, whose state they use."""
 
-    _cond: threading.Condition
+    _cond: WatchedCondition
     _machine: FailoverMachine
     _core: SessionsCore
     _link: Link | None

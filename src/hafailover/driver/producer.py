@@ -16,6 +16,7 @@ import attrs
 
 from hafailover.ack_modes import TransactedAckRules
 from hafailover.destination import Destination, parse_destination
+from hafailover.driver.calls import WouldBlock
 from hafailover.driver.completions import SendCompletion
 from hafailover.errors import (
     ConfigurationError,
@@ -89,7 +90,12 @@ class Producer:
         time_to_live: float | None,
         *,
         receipt: bool,
+        block: bool = True,
+        failover_deadline: float | None = None,
     ) -> SendCompletion:
+        """``block=False``: raise WouldBlock, having sent nothing, where the send would wait
+        (the connection failing over, the window full, a transaction to begin); its caller
+        keeps ``failover_deadline`` (``_failover_deadline()``) across its tries."""
         session = self.session
         session._check_open()
         target = self.destination if destination is None else parse_destination(destination)
@@ -105,11 +111,14 @@ class Producer:
         transacted = session.transacted
         confirm = self.confirm and msg.persistent and not transacted
         completion = SendCompletion(connection, msg)
+        if transacted and not block:
+            raise WouldBlock
         while True:
             # Begun outside the lock: on some links it waits for the broker.
             tx = session._ensure_tx() if transacted else None
             with connection._cond:
-                link = connection._wait_window_room(size, connection._failover_deadline())
+                deadline = failover_deadline if not block else connection._failover_deadline()
+                link = connection._wait_window_room(size, deadline, block=block)
                 if transacted:
                     rules = session.rules
                     assert isinstance(rules, TransactedAckRules)

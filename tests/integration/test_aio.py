@@ -1,0 +1,110 @@
+"""hafailover.aio against the bundled pair, through a real SIGKILL of the live: the event
+loop keeps running (a task that wants it every 10 ms is never kept waiting long), every
+confirmed send arrives, and a send cancelled while the broker is stopped is reported in
+doubt and stored once when sent again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from hafailover import AckMode, FailoverCompleted, FailureDetected, Message, aio
+from reference_broker import BrokerPair
+
+from .support import drain, seqs, url_for
+
+pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
+
+# The loop may wait this long at most: far below a failover (a second here), far above the
+# scheduling noise of a 2-core machine running a broker pair beside the test.
+LARGEST_GAP_S = 0.25
+
+
+async def ticking(gaps: list[float], stop: asyncio.Event) -> None:
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+
+
+def test_the_loop_keeps_running_through_a_sigkill_and_nothing_is_lost(
+    pair: BrokerPair, protocol: str
+) -> None:
+    queue = f"queue://aio-{protocol}"
+    url = url_for(pair, protocol)
+    total = 300
+
+    async def test() -> tuple[list[float], list[int], list[Any]]:
+        gaps: list[float] = []
+        stop = asyncio.Event()
+        ticker = asyncio.ensure_future(ticking(gaps, stop))
+        received: list[int] = []
+        async with await aio.connect(url) as connection:
+            events = connection.events()
+            consuming = await connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+            consumer = await consuming.create_consumer(queue)
+            producer = (await connection.create_session()).create_producer(queue)
+            connection.start()
+
+            async def consume() -> None:
+                while len(set(received)) < total:
+                    message = await consumer.receive(30)
+                    assert message is not None, f"only {len(set(received))} arrived"
+                    received.append(int(str(message.properties["seq"])))
+                    try:
+                        await consuming.acknowledge(message)
+                    except Exception:  # noqa: BLE001 - F8: a stale acknowledge comes again
+                        await consuming.recover()
+
+            consuming_task = asyncio.ensure_future(consume())
+            for seq in range(total):
+                if seq == total // 3:
+                    pair.kill(pair.live)
+                await producer.send(Message(f"m{seq}", properties={"seq": seq}))
+            await asyncio.wait_for(consuming_task, 60)
+            seen = [await asyncio.wait_for(anext(events), 5) for _ in range(2)]
+        stop.set()
+        await ticker
+        return gaps, received, seen
+
+    gaps, received, seen = asyncio.run(test())
+    assert sorted(set(received)) == list(range(300))
+    assert isinstance(seen[0], FailureDetected)
+    assert isinstance(seen[1], FailoverCompleted)
+    assert max(gaps) < LARGEST_GAP_S, f"the loop waited {max(gaps):.3f} s"
+    assert drain(url, queue) == []
+
+
+def test_a_send_cancelled_while_the_live_is_stopped_is_in_doubt_and_stored_once(
+    pair: BrokerPair, protocol: str
+) -> None:
+    queue = f"queue://aio-cancel-{protocol}"
+    url = url_for(pair, protocol, heartbeat="5s")  # paused, not dead: no failover
+
+    async def test() -> list[aio.SendCancelled]:
+        async with await aio.connect(url) as connection:
+            producer = (await connection.create_session()).create_producer(queue)
+            message = Message("once", properties={"seq": 1})
+            live = pair.live
+            pair.pause(live)
+            try:
+                sending = asyncio.ensure_future(producer.send(message))
+                await asyncio.sleep(0.3)
+                sending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await sending
+            finally:
+                pair.resume(live)
+            again = await producer.send(message)
+            assert again.message_id == connection.cancelled_in_doubt[0].message_id
+            return connection.cancelled_in_doubt
+
+    cancelled = asyncio.run(test())
+    assert len(cancelled) == 1
+    assert cancelled[0].destination == queue
+    assert seqs(drain(url_for(pair, protocol), queue)) == [1]  # duplicate detection: once
