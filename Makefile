@@ -23,7 +23,7 @@ $(STAMPS)/venv: pyproject.toml
 	@mkdir -p $(STAMPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,spark]'
+	$(PY) -m pip install --quiet -e '.[dev,spark,otel]'
 	@touch $@
 
 lint: $(STAMPS)/venv

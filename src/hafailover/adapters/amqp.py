@@ -1261,6 +1261,7 @@ class AmqpTransport:
                 )
             ),
             detects_duplicates=detects_duplicates(product),
+            product=product,
         )
         if opening is not None and not opening.succeed(opened):
             self._abort_now()  # open() gave up already

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Final
 from hafailover._links import Link
 from hafailover.ack_modes import AckAction, AckMode
 from hafailover.destination import Destination
+from hafailover.driver import tracing
 from hafailover.driver.calls import error_for
 from hafailover.driver.completions import SendCompletion
 from hafailover.errors import (
@@ -221,6 +222,7 @@ class Consumer:
                 "this consumer has a message listener; receive() is not allowed"
             )
         connection = session.connection
+        started = tracing.started()
         deadline = None if timeout is None else time.monotonic() + timeout
         session._confirm_last_ack()
         with connection._cond:
@@ -239,7 +241,8 @@ class Consumer:
                 if remaining is not None and remaining <= 0:
                     return None
                 connection._cond.wait(remaining if remaining is not None else 1.0)
-        self._after_delivery(message)
+        with tracing.receiving(self, message, started):
+            self._after_delivery(message)
         return message
 
     def receive_no_wait(self) -> Message | None:
