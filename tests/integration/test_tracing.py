@@ -13,9 +13,17 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra and opentelemetry-sdk")
 
-from opentelemetry import trace
+from opentelemetry import baggage, trace
+from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanContext, SpanKind, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 import hafailover
 import hafailover.otel
@@ -176,8 +184,24 @@ def test_receive_spans_and_the_failover_figures_of_dirty_sessions_and_doubtful_s
         hafailover.connect(url_for(pair, protocol, reconnect_attempts=0)) as doomed,
     ):
         producer = connection.create_session(AckMode.AUTO).create_producer("queue://pulled")
-        with spans.tracer.start_as_current_span("app"):
-            sent = producer.send(Message(body="pulled", properties={"seq": 1}))
+        # A caller's context with a trace state (a ':' to escape in a STOMP header) and
+        # baggage: both travel with the message.
+        caller = SpanContext(
+            trace_id=0x5CE0E9A56015FEC5AADFA328AE398115,
+            span_id=0xB7AD6B7169203331,
+            is_remote=True,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            trace_state=TraceState([("vendor", "a:b")]),
+        )
+        context = baggage.set_baggage(
+            "tenant", "t 1", trace.set_span_in_context(NonRecordingSpan(caller))
+        )
+        token = otel_context.attach(context)
+        try:
+            with spans.tracer.start_as_current_span("app"):
+                sent = producer.send(Message(body="pulled", properties={"seq": 1}))
+        finally:
+            otel_context.detach(token)
         client = connection.create_session(AckMode.CLIENT)
         consumer = client.create_consumer("queue://pulled", prefetch=1)
         connection.start()
@@ -186,6 +210,7 @@ def test_receive_spans_and_the_failover_figures_of_dirty_sessions_and_doubtful_s
             assert held is not None
             with hafailover.otel.process(consumer, held):
                 inside = trace.get_current_span().get_span_context()
+                tenant = baggage.get_baggage("tenant")
         # ``held`` is never acknowledged: the CLIENT session is dirty at the failover (F8);
         # the transaction has work: it becomes rollback-only (F9).
         transacted = connection.create_session(AckMode.SESSION_TRANSACTED)
@@ -223,6 +248,9 @@ def test_receive_spans_and_the_failover_figures_of_dirty_sessions_and_doubtful_s
     assert attributes(receive)["messaging.message.id"] == held.message_id
     assert attributes(receive)["messaging.system"] == protocol
     (process,) = [s for s in spans.of(SpanKind.CONSUMER) if s.context == inside]
+    assert process.context.trace_id == caller.trace_id
+    assert process.context.trace_state.get("vendor") == "a:b"
+    assert tenant == "t 1"
     assert parent_id(process) == send_span.context.span_id
     assert [link.context.span_id for link in process.links] == [
         send_span.context.span_id,
