@@ -42,6 +42,7 @@ bench: $(STAMPS)/venv
 	$(PY) benchmarks/client.py
 	$(PY) benchmarks/paths.py
 	$(PY) benchmarks/spark.py
+	$(PY) benchmarks/tracing.py
 
 clean:
 	rm -rf $(STAMPS) $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -72,7 +72,6 @@ MESSAGING_DESTINATION_NAME: Final = "messaging.destination.name"
 MESSAGING_DESTINATION_TEMPORARY: Final = "messaging.destination.temporary"
 MESSAGING_MESSAGE_ID: Final = "messaging.message.id"
 MESSAGING_MESSAGE_CONVERSATION_ID: Final = "messaging.message.conversation_id"
-MESSAGING_MESSAGE_BODY_SIZE: Final = "messaging.message.body.size"
 SERVER_ADDRESS: Final = "server.address"
 SERVER_PORT: Final = "server.port"
 NETWORK_PROTOCOL_NAME: Final = "network.protocol.name"
@@ -141,7 +140,6 @@ def message_attributes(
         attributes[MESSAGING_MESSAGE_ID] = message.message_id
     if message.correlation_id is not None:
         attributes[MESSAGING_MESSAGE_CONVERSATION_ID] = message.correlation_id
-    attributes[MESSAGING_MESSAGE_BODY_SIZE] = len(message.body_bytes)
     if operation != SEND:
         attributes[MESSAGE_REDELIVERED] = message.redelivered
         if message.delivery_count:
@@ -208,7 +206,10 @@ def context_of(
     """The context a message carries (its creation context, and baggage), read with
     ``propagator`` (the global one by default); an empty one when it carries none."""
     textmap = propagator if propagator is not None else propagate.get_global_textmap()
-    return textmap.extract(message.properties, context=otel_context.Context(), getter=_GETTER)
+    empty = otel_context.Context()
+    if not any(field in message.properties for field in textmap.fields):
+        return empty  # the common case of a send, and cheaper than extracting nothing
+    return textmap.extract(message.properties, context=empty, getter=_GETTER)
 
 
 def _span_context(context: otel_context.Context) -> SpanContext:

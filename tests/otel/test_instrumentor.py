@@ -82,7 +82,6 @@ def test_the_attribute_names_are_the_semantic_conventions() -> None:
     assert otel.MESSAGING_DESTINATION_TEMPORARY == semconv.MESSAGING_DESTINATION_TEMPORARY
     assert otel.MESSAGING_MESSAGE_ID == semconv.MESSAGING_MESSAGE_ID
     assert otel.MESSAGING_MESSAGE_CONVERSATION_ID == semconv.MESSAGING_MESSAGE_CONVERSATION_ID
-    assert otel.MESSAGING_MESSAGE_BODY_SIZE == semconv.MESSAGING_MESSAGE_BODY_SIZE
     assert otel.SERVER_ADDRESS == server_attributes.SERVER_ADDRESS
     assert otel.SERVER_PORT == server_attributes.SERVER_PORT
     assert otel.NETWORK_PROTOCOL_NAME == network_attributes.NETWORK_PROTOCOL_NAME
@@ -130,7 +129,6 @@ def test_the_attributes_of_a_sent_message() -> None:
         "hafailover.destination.kind": "queue",
         "messaging.message.id": "ID-1",
         "messaging.message.conversation_id": "conv-7",
-        "messaging.message.body.size": 6,  # bytes of UTF-8
         "server.address": "127.0.0.1",
         "server.port": 61613,
         "network.protocol.name": "stomp",
