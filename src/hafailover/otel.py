@@ -48,6 +48,7 @@ from opentelemetry.util.types import AttributeValue
 from hafailover import __version__
 from hafailover.destination import Destination, DestinationKind
 from hafailover.driver import tracing
+from hafailover.driver.consumer import Consumer
 from hafailover.driver.tracing import Peer
 from hafailover.errors import ConfigurationError, DisconnectedError, ErrorCode, HaFailoverError
 from hafailover.message import Message, PropertyValue
@@ -342,7 +343,7 @@ class _Hooks:
         span.end(end_time=ended_ns)
 
 
-def process(consumer: Any, message: Message) -> contextlib.AbstractContextManager[None]:
+def process(consumer: Consumer, message: Message) -> contextlib.AbstractContextManager[None]:
     """A ``process`` span around code that handles what ``consumer.receive()`` returned,
     as a message listener's call gets one: a CONSUMER span, child of the message's creation
     context (and linked to it and to the caller's span). Does nothing when hafailover is
