@@ -23,7 +23,7 @@ $(STAMPS)/venv: pyproject.toml
 	@mkdir -p $(STAMPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,spark]'
+	$(PY) -m pip install --quiet -e '.[dev,spark,otel]'
 	@touch $@
 
 lint: $(STAMPS)/venv
@@ -43,6 +43,7 @@ bench: $(STAMPS)/venv
 	$(PY) benchmarks/paths.py
 	$(PY) benchmarks/aio.py
 	$(PY) benchmarks/spark.py
+	$(PY) benchmarks/tracing.py
 
 clean:
 	rm -rf $(STAMPS) $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

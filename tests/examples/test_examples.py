@@ -166,6 +166,18 @@ def test_exception_listener_hears_the_failover(fresh_pair: BrokerPair, protocol:
     assert "confirmed, 1 failover(s)" in out
 
 
+@pytest.mark.broker
+@pytest.mark.timeout(90)
+def test_tracing_example_through_sigkill(fresh_pair: BrokerPair) -> None:
+    pytest.importorskip("opentelemetry.sdk", reason="the otel extra and opentelemetry-sdk")
+    code, out = run_with_kill(
+        fresh_pair, "tracing.py", [url_of(fresh_pair, "stomp"), "2"], "sent 50 "
+    )
+    assert code == 0, out
+    assert "child of its send span" in out and "without a send span" not in out, out
+    assert out.count("failover span: reconnected") + out.count("failover span: reattached") == 2
+
+
 def test_examples_start_their_own_pair_without_a_url() -> None:
     result = run_example("stomp_basic.py")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1147,6 +1147,7 @@ class AmqpEngine:
                 )
             ),
             detects_duplicates=detects_duplicates(product),
+            product=product,
         )
         if opening is not None and not opening.succeed(opened):
             self.abort()  # whoever opened gave up waiting

@@ -54,6 +54,7 @@ class Opened:
     topology: tuple[tuple[str, int], ...]  # announced client addresses, empty if none
     reattach_refused: bool = False  # a reattach was asked for and the session is gone
     detects_duplicates: bool = False  # the broker drops a copy by its duplicate id (F13)
+    product: str = ""  # what the broker calls itself (STOMP ``server``, AMQP ``product``)
 
 
 def parse_topology(value: str | None) -> tuple[tuple[str, int], ...]:

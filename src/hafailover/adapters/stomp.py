@@ -348,6 +348,7 @@ class StompTransport:
             topology=parse_topology(connected.get("hafailover-topology")),
             reattach_refused=connected.get("hafailover-reattach") == "refused",
             detects_duplicates=detects_duplicates(connected.get("server", "")),
+            product=connected.get("server", ""),
         )
 
     def write(self, command: str, headers: Mapping[str, str], body: bytes = b"") -> int:

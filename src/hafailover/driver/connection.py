@@ -30,6 +30,7 @@ they decide, and is the only place with locks, threads and clocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -44,6 +45,7 @@ from hafailover._links import Link, LinkFactory, make_link
 from hafailover.ack_modes import AckMode
 from hafailover.adapters.base import Opened
 from hafailover.destination import Destination
+from hafailover.driver import tracing
 from hafailover.driver.calls import Calls, WatchedCondition, error_for
 from hafailover.driver.completions import Callback, Waiting
 from hafailover.driver.events import (
@@ -176,6 +178,9 @@ class Connection(Calls, LinkEventHandlers):
         self._session_parts: tuple[SessionFailover, ...] = ()
         self._degraded: tuple[str, ...] = ()
         self._detects_duplicates = False  # the connected broker's duplicate detection
+        # The broker connected to (or last, or the first to try), as tracing names it.
+        first = policy.brokers[0]
+        self._peer = tracing.Peer(first.protocol, "", first.host, first.port)
         self._reports: list[FailoverReport] = []
         self._reattached = 0
         self._in_doubt = 0
@@ -368,6 +373,8 @@ class Connection(Calls, LinkEventHandlers):
                 self._apply(self._machine.handle(TopologyAnnounced(opened.topology)))
             self._schedule.rotation.connected_to(opened.broker)
             self._detects_duplicates = opened.detects_duplicates
+            broker = opened.broker
+            self._peer = tracing.Peer(broker.protocol, opened.product, broker.host, broker.port)
             if link.windowed:
                 self._session_token = opened.session_id
             if initial:
@@ -528,6 +535,10 @@ class Connection(Calls, LinkEventHandlers):
         )
         self._reports.append(report)
         self._in_doubt += len(report.in_doubt)
+        hooks = tracing.installed()
+        if hooks is not None:
+            on_failover = functools.partial(hooks.failover, self._peer, ended_ns=time.time_ns())
+            self._notifier.post(lambda: call_listener(on_failover, report))
         event: ConnectionEvent
         error: HaFailoverError
         if effect.code is ErrorCode.FAILOVER:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Final
 from hafailover._links import Link
 from hafailover.ack_modes import AckAction, AckMode
 from hafailover.destination import Destination
+from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
 from hafailover.driver.completions import SendCompletion
 from hafailover.errors import (
@@ -217,6 +218,7 @@ class Consumer:
         self._check_receive()
         session = self.session
         connection = session.connection
+        started = tracing.started()
         deadline = None if timeout is None else time.monotonic() + timeout
         session._confirm_last_ack()
         with connection._cond:
@@ -225,7 +227,8 @@ class Consumer:
                 if remaining is not None and remaining <= 0:
                     return None
                 connection._cond.wait(remaining if remaining is not None else 1.0)
-        self._after_delivery(message)
+        with tracing.receiving(self, message, started):
+            self._after_delivery(message)
         return message
 
     def _receive_now(self) -> Message | None:
@@ -233,6 +236,7 @@ class Consumer:
         WouldBlock while the previous AUTO acknowledge is unconfirmed (F6), with it."""
         self._check_receive()
         session = self.session
+        started = tracing.started()
         last_ack = session._auto_ack
         if last_ack is not None and not last_ack.done():
             raise WouldBlock(last_ack)
@@ -240,7 +244,8 @@ class Consumer:
         with session.connection._cond:
             message = self._next()
         if message is not None:
-            self._after_delivery(message)
+            with tracing.receiving(self, message, started):
+                self._after_delivery(message)
         return message
 
     def _check_receive(self) -> None:

@@ -16,6 +16,7 @@ import attrs
 
 from hafailover.ack_modes import TransactedAckRules
 from hafailover.destination import Destination, parse_destination
+from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock
 from hafailover.driver.completions import SendCompletion
 from hafailover.errors import (
@@ -102,11 +103,42 @@ class Producer:
         if target is None:
             raise IllegalStateError("this producer has no destination: pass destination=")
         msg = _as_message(message, headers, persistent, priority, time_to_live)
+        hooks = tracing.installed()
+        if hooks is None:
+            return self._write(
+                msg, target, receipt=receipt, block=block, failover_deadline=failover_deadline
+            )
+        connection = session.connection
+        trace = hooks.send(connection._peer, target, msg)
+        try:
+            completion = self._write(
+                msg, target, receipt=receipt, block=block, failover_deadline=failover_deadline
+            )
+        except WouldBlock:
+            raise  # nothing was sent: this try's span is never ended, so never exported
+        except BaseException as exc:
+            trace.end(exc, connection._peer)
+            raise
+        completion.add_done_callback(lambda done: trace.end(done.exception(), connection._peer))
+        return completion
+
+    def _write(
+        self,
+        msg: Message,
+        target: Destination,
+        *,
+        receipt: bool,
+        block: bool,
+        failover_deadline: float | None,
+    ) -> SendCompletion:
+        """Write ``msg`` through the confirmation window (stop the world while failing over)
+        and return its completion."""
         size = msg.size()
         if size > MAX_MESSAGE_BYTES:
             raise MessageTooLargeError(
                 f"a message of {size} bytes is larger than the {MAX_MESSAGE_BYTES} bytes allowed"
             )
+        session = self.session
         connection = session.connection
         transacted = session.transacted
         confirm = self.confirm and msg.persistent and not transacted

@@ -28,6 +28,7 @@ from hafailover.ack_modes import (
     check_link_reliability,
 )
 from hafailover.destination import Destination, parse_destination
+from hafailover.driver import tracing
 from hafailover.driver.browser import Browser
 from hafailover.driver.calls import error_for
 from hafailover.driver.completions import SendCompletion
@@ -352,7 +353,8 @@ class Session(Transactions):
             assert message is not None
             assert listener is not None
             try:
-                listener(message)
+                with tracing.processing(consumer, message):
+                    listener(message)
             except Exception:
                 log.exception("a message listener raised; the message counts as delivered")
             try:
