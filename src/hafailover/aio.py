@@ -378,6 +378,10 @@ class AsyncSession:
         self.connection = connection
 
     @property
+    def session_id(self) -> int:
+        return self.sync.session_id
+
+    @property
     def ack_mode(self) -> AckMode:
         return self.sync.ack_mode
 
@@ -601,6 +605,16 @@ class PendingSend:
             # Someone waits now: the broker is asked to confirm what has not asked yet.
             self._connection._ask_for_receipt()
         return (yield from self._future.__await__())
+
+    @property
+    def message(self) -> Message | None:
+        """The message as sent (with its id), once it was written; None before."""
+        if self._completion is not None:
+            return self._completion.message
+        assert self._future is not None
+        if self._future.done() and not self._future.cancelled():
+            return None if self._future.exception() else self._future.result()
+        return None
 
     def done(self) -> bool:
         if self._future is not None:

@@ -9,6 +9,8 @@ import pytest
 
 from reference_broker import BrokerPair
 
+from .apis import api  # noqa: F401 - the fixture that runs a rule test through both APIs
+
 
 @pytest.fixture(params=["stomp", "amqp"])
 def protocol(request: pytest.FixtureRequest) -> str:

@@ -29,6 +29,7 @@ from hafailover import (
 )
 from reference_broker import BrokerPair
 
+from .apis import Api
 from .support import drain, proxy, seqs, single_url, url_for, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -41,10 +42,12 @@ def _fill(url: str, queue: str, count: int) -> None:
             completion.result()
 
 
-def test_f1_calls_block_during_failover_then_complete(pair: BrokerPair, protocol: str) -> None:
+def test_f1_calls_block_during_failover_then_complete(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F1: send, receive and session/consumer creation wait while failing over, then work."""
     url = url_for(pair, protocol)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session()
         producer = session.create_producer("queue://f1")
         producer.send("before", headers={"seq": 0})
@@ -83,11 +86,13 @@ def test_f1_calls_block_during_failover_then_complete(pair: BrokerPair, protocol
         assert set(sent) | {0} <= received
 
 
-def test_f2_exhausted_reconnect_raises_disconnect(pair: BrokerPair, protocol: str) -> None:
+def test_f2_exhausted_reconnect_raises_disconnect(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F2: when reconnection gives up, blocked and later calls raise code DISCONNECT."""
     url = url_for(pair, protocol, reconnect_attempts=3, retry_interval="50ms")
     notices: list[HaFailoverError] = []
-    with hafailover.connect(url, exception_listener=notices.append) as connection:
+    with api.connect(url, exception_listener=notices.append) as connection:
         producer = connection.create_session().create_producer("queue://f2")
         producer.send("one")
         backup = pair.backup
@@ -109,10 +114,10 @@ def test_f2_exhausted_reconnect_raises_disconnect(pair: BrokerPair, protocol: st
         assert connection.reports[-1].code is ErrorCode.DISCONNECT
 
 
-def test_f2_close_releases_blocked_calls_at_once(pair: BrokerPair, protocol: str) -> None:
+def test_f2_close_releases_blocked_calls_at_once(pair: BrokerPair, protocol: str, api: Api) -> None:
     """F2: close() during failover releases every waiter at once."""
     url = url_for(pair, protocol, retry_interval="200ms")
-    connection = hafailover.connect(url)
+    connection = api.connect(url)
     producer = connection.create_session().create_producer("queue://f2c")
     producer.send("one")
     for node in pair.nodes:
@@ -138,11 +143,11 @@ def test_f2_close_releases_blocked_calls_at_once(pair: BrokerPair, protocol: str
 
 
 def test_f3_in_doubt_send_is_unblocked_without_duplicate_detection(
-    pair: BrokerPair, protocol: str
+    pair: BrokerPair, protocol: str, api: Api
 ) -> None:
     """F3: a send waiting for the broker when it died is released with UNBLOCKED."""
     url = url_for(pair, protocol, duplicate_detection="false")
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         producer = connection.create_session().create_producer("queue://f3")
         producer.send("warm-up")
         live = pair.live
@@ -161,11 +166,11 @@ def test_f3_in_doubt_send_is_unblocked_without_duplicate_detection(
         producer.send("after")  # the connection works on
 
 
-def test_f3_commit_caught_by_failover_raises(pair: BrokerPair, protocol: str) -> None:
+def test_f3_commit_caught_by_failover_raises(pair: BrokerPair, protocol: str, api: Api) -> None:
     """F3: a commit written and waiting for its answer when the live died raises
     outcome-unknown (the broker may have done it), never rolled-back, never hangs."""
     url = url_for(pair, protocol)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(AckMode.SESSION_TRANSACTED)
         producer = session.create_producer("queue://f3tx")
         producer.send("a", headers={"seq": 1})
@@ -197,7 +202,7 @@ def test_f3_commit_caught_by_failover_raises(pair: BrokerPair, protocol: str) ->
 
 @pytest.mark.parametrize("role", ["consumer", "producer"])
 def test_f2_f3_a_commit_whose_answer_is_lost_for_good_says_what_may_have_happened(
-    pair: BrokerPair, protocol: str, role: str
+    pair: BrokerPair, protocol: str, role: str, api: Api
 ) -> None:
     """F2 + F3: the answer to a commit is lost and the connection cannot fail over
     (reconnect_attempts=0): commit() raises DisconnectedError saying whether the commit was
@@ -208,7 +213,7 @@ def test_f2_f3_a_commit_whose_answer_is_lost_for_good_says_what_may_have_happene
         _fill(url_for(pair, protocol), queue, 5)
     with proxy(port) as cut_off:
         url = single_url(protocol, "127.0.0.1", cut_off.port, pair, reconnect_attempts=0)
-        with hafailover.connect(url) as connection:
+        with api.connect(url) as connection:
             session = connection.create_session(AckMode.SESSION_TRANSACTED)
             if role == "consumer":
                 consumer = session.create_consumer(queue)
@@ -236,6 +241,7 @@ def test_f2_f3_a_commit_whose_answer_is_lost_for_good_says_what_may_have_happene
 
 def test_f3_a_commit_that_times_out_before_it_is_written_rolls_back_on_the_broker(
     pair: BrokerPair,
+    api: Api,
 ) -> None:
     """AMQP settles a transaction's acknowledges before writing the discharge. A broker that
     is slow (paused shorter than the heartbeat) past call_timeout: commit() says rolled back
@@ -243,7 +249,7 @@ def test_f3_a_commit_that_times_out_before_it_is_written_rolls_back_on_the_broke
     connection, with no failover."""
     url = url_for(pair, "amqp", heartbeat="5s", call_timeout="500ms")
     _fill(url, "queue://f3slow", 5)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(AckMode.SESSION_TRANSACTED)
         consumer = session.create_consumer("queue://f3slow")
         connection.start()
@@ -263,11 +269,13 @@ def test_f3_a_commit_that_times_out_before_it_is_written_rolls_back_on_the_broke
     assert drain(url, "queue://f3slow") == []
 
 
-def test_f5_consumers_and_temporary_queues_are_recreated(pair: BrokerPair, protocol: str) -> None:
+def test_f5_consumers_and_temporary_queues_are_recreated(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F5: after a reconnect to the backup, consumers receive again and a temporary queue
     keeps its name."""
     url = url_for(pair, protocol)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
         consumer = session.create_consumer("queue://f5")
         temporary = session.create_temporary_queue()
@@ -293,7 +301,7 @@ def test_f5_consumers_and_temporary_queues_are_recreated(pair: BrokerPair, proto
 
 
 def test_f5_a_recreation_the_broker_is_slow_to_answer_is_retried_not_given_up(
-    pair: BrokerPair, monkeypatch: pytest.MonkeyPatch
+    pair: BrokerPair, monkeypatch: pytest.MonkeyPatch, api: Api
 ) -> None:
     """F5: the backup does not answer a recreated consumer's attach within call_timeout
     (simulated: the first such wait on the reconnect thread times out). That attempt fails
@@ -311,7 +319,7 @@ def test_f5_a_recreation_the_broker_is_slow_to_answer_is_retried_not_given_up(
 
     monkeypatch.setattr(amqp_adapter.AmqpTransport, "subscribe", slow_once)
     url = url_for(pair, "amqp")
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         consumer = connection.create_session().create_consumer("queue://f5slow")
         connection.start()
         pair.kill(pair.live)
@@ -324,11 +332,13 @@ def test_f5_a_recreation_the_broker_is_slow_to_answer_is_retried_not_given_up(
         assert message is not None and message.text == "after"
 
 
-def test_f6_auto_ack_redelivers_at_most_the_last_message(pair: BrokerPair, protocol: str) -> None:
+def test_f6_auto_ack_redelivers_at_most_the_last_message(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F6: AUTO_ACKNOWLEDGE: only the last delivered message may come again."""
     url = url_for(pair, protocol)
     _fill(url, "queue://f6", 200)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://f6")
         connection.start()
         got: list[int] = []
@@ -353,12 +363,12 @@ def test_f6_auto_ack_redelivers_at_most_the_last_message(pair: BrokerPair, proto
         assert failures in ([], [ErrorCode.ACKNOWLEDGE_FAILED]), messages
 
 
-def test_f7_dups_ok_is_silent(pair: BrokerPair, protocol: str) -> None:
+def test_f7_dups_ok_is_silent(pair: BrokerPair, protocol: str, api: Api) -> None:
     """F7: DUPS_OK_ACKNOWLEDGE: failover is silent apart from the exception listener."""
     url = url_for(pair, protocol)
     _fill(url, "queue://f7", 200)
     notices: list[HaFailoverError] = []
-    with hafailover.connect(url, exception_listener=notices.append) as connection:
+    with api.connect(url, exception_listener=notices.append) as connection:
         consumer = connection.create_session(AckMode.DUPS_OK).create_consumer("queue://f7")
         connection.start()
         got: list[int] = []
@@ -375,12 +385,14 @@ def test_f7_dups_ok_is_silent(pair: BrokerPair, protocol: str) -> None:
         assert isinstance(notices[0], FailoverNotice)
 
 
-def test_f8_client_ack_dirty_session_raises_then_recovers(pair: BrokerPair, protocol: str) -> None:
+def test_f8_client_ack_dirty_session_raises_then_recovers(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F8: unacknowledged messages at failover make the session dirty: acknowledge() recovers
     and raises; the messages come again; acknowledging them then works."""
     url = url_for(pair, protocol)
     _fill(url, "queue://f8", 5)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(AckMode.CLIENT)
         consumer = session.create_consumer("queue://f8")
         connection.start()
@@ -400,7 +412,7 @@ def test_f8_client_ack_dirty_session_raises_then_recovers(pair: BrokerPair, prot
 
 @pytest.mark.parametrize("individual", [False, True], ids=["client", "client-individual"])
 def test_f8_acknowledge_called_while_failing_over_raises_and_loses_nothing(
-    pair: BrokerPair, protocol: str, individual: bool
+    pair: BrokerPair, protocol: str, individual: bool, api: Api
 ) -> None:
     """F1 + F8: an acknowledge() called during the failover waits for it, then finds the
     session dirty: it raises, and nothing is acknowledged on the new connection (where the
@@ -408,7 +420,7 @@ def test_f8_acknowledge_called_while_failing_over_raises_and_loses_nothing(
     url = url_for(pair, protocol)
     _fill(url, "queue://f8w", 10)
     mode = AckMode.CLIENT_INDIVIDUAL if individual else AckMode.CLIENT
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(mode)
         consumer = session.create_consumer("queue://f8w", prefetch=10)
         connection.start()
@@ -426,11 +438,13 @@ def test_f8_acknowledge_called_while_failing_over_raises_and_loses_nothing(
     assert drain(url, "queue://f8w") == []
 
 
-def test_f8_recover_after_failover_cleans_the_session(pair: BrokerPair, protocol: str) -> None:
+def test_f8_recover_after_failover_cleans_the_session(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F8: recover() after failover succeeds and the session is clean."""
     url = url_for(pair, protocol)
     _fill(url, "queue://f8r", 3)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(AckMode.CLIENT)
         consumer = session.create_consumer("queue://f8r")
         connection.start()
@@ -446,12 +460,12 @@ def test_f8_recover_after_failover_cleans_the_session(pair: BrokerPair, protocol
 
 
 def test_f9_transaction_becomes_rollback_only_and_retry_commits(
-    pair: BrokerPair, protocol: str
+    pair: BrokerPair, protocol: str, api: Api
 ) -> None:
     """F9: a dirty transaction at failover is rollback-only: commit() raises rolled-back; the
     application replays on the same session and the retry commits, once-and-only-once."""
     url = url_for(pair, protocol)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(AckMode.SESSION_TRANSACTED)
         producer = session.create_producer("queue://f9")
         batch = [Message(body=f"m{i}", properties={"seq": i}) for i in range(10)]
@@ -469,11 +483,11 @@ def test_f9_transaction_becomes_rollback_only_and_retry_commits(
     assert sorted(seqs(drain(url, "queue://f9"))) == list(range(10))
 
 
-def test_f9_rollback_after_failover_succeeds(pair: BrokerPair, protocol: str) -> None:
+def test_f9_rollback_after_failover_succeeds(pair: BrokerPair, protocol: str, api: Api) -> None:
     """F9: rollback() always succeeds and cleans the session; received work comes again."""
     url = url_for(pair, protocol)
     _fill(url, "queue://f9r", 3)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session(AckMode.SESSION_TRANSACTED)
         consumer = session.create_consumer("queue://f9r")
         connection.start()
@@ -487,7 +501,9 @@ def test_f9_rollback_after_failover_succeeds(pair: BrokerPair, protocol: str) ->
     assert drain(url, "queue://f9r") == []
 
 
-def test_f10_listener_once_per_failure_from_many_threads(pair: BrokerPair, protocol: str) -> None:
+def test_f10_listener_once_per_failure_from_many_threads(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F10: the exception listener hears every failure exactly once, with code FAILOVER,
     while several sessions work on several threads; a listener that raises is harmless."""
     url = url_for(pair, protocol)
@@ -497,7 +513,7 @@ def test_f10_listener_once_per_failure_from_many_threads(pair: BrokerPair, proto
         heard.append(error)
         raise RuntimeError("a broken listener must not break the connection")
 
-    with hafailover.connect(url, exception_listener=listener) as connection:
+    with api.connect(url, exception_listener=listener) as connection:
         stop = threading.Event()
         errors: list[BaseException] = []
 
@@ -529,11 +545,11 @@ def test_f10_listener_once_per_failure_from_many_threads(pair: BrokerPair, proto
         assert heard[0].reattached is False
 
 
-def test_f11_browser_failover_raises(pair: BrokerPair, protocol: str) -> None:
+def test_f11_browser_failover_raises(pair: BrokerPair, protocol: str, api: Api) -> None:
     """F11: a failover during browsing raises BrowserInvalidatedError, never a silent end."""
     url = url_for(pair, protocol)
     _fill(url, "queue://f11", 20)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         session = connection.create_session()
         assert len(session.create_browser("queue://f11").messages()) == 20
         iterator = iter(session.create_browser("queue://f11"))
@@ -547,7 +563,7 @@ def test_f11_browser_failover_raises(pair: BrokerPair, protocol: str) -> None:
         assert len(session.create_browser("queue://f11").messages()) == 20
 
 
-def test_f12_initial_connect_does_not_fail_over(pair: BrokerPair, protocol: str) -> None:
+def test_f12_initial_connect_does_not_fail_over(pair: BrokerPair, protocol: str, api: Api) -> None:
     """F12: the first connection does not go to the backup unless initial_connect_attempts
     allows more attempts; topology learned from the live adds the backup."""
     live, backup = pair.live, pair.backup
@@ -556,7 +572,7 @@ def test_f12_initial_connect_does_not_fail_over(pair: BrokerPair, protocol: str)
     creds = f"{pair.user}:{pair.password}"
     # Only the live in the URL: the backup comes from the topology announcement.
     url = f"{protocol}://{creds}@127.0.0.1:{live_port}?heartbeat=250ms&retry_interval=50ms"
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         producer = connection.create_session().create_producer("queue://f12")
         pair.kill(live)
         producer.send("after", headers={"seq": 1})
@@ -564,17 +580,19 @@ def test_f12_initial_connect_does_not_fail_over(pair: BrokerPair, protocol: str)
         assert str(backup_port) in connection.reports[-1].to_broker
     dead = f"failover:({protocol}://{creds}@127.0.0.1:{live_port},{protocol}://{creds}@127.0.0.1:{backup_port})"
     with pytest.raises(hafailover.NotConnectedError):
-        hafailover.connect(f"{dead}?initial_connect_attempts=1")
-    with hafailover.connect(f"{dead}?initial_connect_attempts=2&retry_interval=50ms") as connection:
+        api.connect(f"{dead}?initial_connect_attempts=1")
+    with api.connect(f"{dead}?initial_connect_attempts=2&retry_interval=50ms") as connection:
         assert connection.broker is not None
         assert str(backup_port) in connection.broker
 
 
-def test_f13_resend_after_unknown_outcome_is_stored_once(pair: BrokerPair, protocol: str) -> None:
+def test_f13_resend_after_unknown_outcome_is_stored_once(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F13: a send whose outcome was unknown at failover is resent with its duplicate id and
     stored once; sending the same Message object twice stores it once."""
     url = url_for(pair, protocol)
-    with hafailover.connect(url) as connection:
+    with api.connect(url) as connection:
         producer = connection.create_session().create_producer("queue://f13")
         message = Message(body="once", properties={"seq": 1})
         producer.send(message)
@@ -591,9 +609,11 @@ def test_f13_resend_after_unknown_outcome_is_stored_once(pair: BrokerPair, proto
     assert sorted(got) == [1, *range(10, 30)]
 
 
-def test_f14_contradicting_link_reliability_is_refused(pair: BrokerPair, protocol: str) -> None:
+def test_f14_contradicting_link_reliability_is_refused(
+    pair: BrokerPair, protocol: str, api: Api
+) -> None:
     """F14: at-least-once on a no-ack session is a configuration error."""
-    with hafailover.connect(url_for(pair, protocol)) as connection:
+    with api.connect(url_for(pair, protocol)) as connection:
         session = connection.create_session(AckMode.NO_ACKNOWLEDGE)
         with pytest.raises(hafailover.ConfigurationError):
             session.create_consumer("queue://f14", reliability=LinkReliability.AT_LEAST_ONCE)
