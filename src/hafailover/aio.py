@@ -259,16 +259,10 @@ class AsyncConnection:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _until(
-        self,
-        attempt: Callable[[], R],
-        timeout: float | None,
-        before_waiting: Callable[[], None] | None = None,
-    ) -> R:
+    async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
         """``attempt()`` until it does not raise WouldBlock, looking again each time the
         driver changes (never blocking the loop); TimeoutError after ``timeout`` seconds
-        (None: no limit) without an answer. ``before_waiting`` is called each time it is
-        about to wait."""
+        (None: no limit) without an answer."""
         deadline = None if timeout is None else self.loop.time() + timeout
         # Counted before the first look: a change the driver makes after it is told.
         self._watching += 1
@@ -286,8 +280,6 @@ class AsyncConnection:
                 remaining = None if deadline is None else deadline - self.loop.time()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError
-                if before_waiting is not None:
-                    before_waiting()
                 changed: asyncio.Future[None] = self.loop.create_future()
                 self._change_waiters.append(changed)
                 with contextlib.suppress(TimeoutError):  # one last look, then TimeoutError
@@ -553,8 +545,6 @@ class AsyncProducer:
                             failover_deadline=failover_deadline,
                         ),
                         None,
-                        # The window is full: the room comes with the broker's confirmation.
-                        connection._ask_for_receipt,
                     )
                 except HaFailoverError as exc:
                     self._backlog.popleft()

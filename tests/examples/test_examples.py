@@ -178,6 +178,18 @@ def test_tracing_example_through_sigkill(fresh_pair: BrokerPair) -> None:
     assert out.count("failover span: reconnected") + out.count("failover span: reattached") == 2
 
 
+@pytest.mark.broker
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("protocol", ["stomp", "amqp"])
+def test_asyncio_example_through_sigkill(fresh_pair: BrokerPair, protocol: str) -> None:
+    code, out = run_with_kill(
+        fresh_pair, "asyncio_app.py", [url_of(fresh_pair, protocol), "300"], "sent 100 "
+    )
+    assert code == 0, out
+    assert "event: lost" in out and "event: failover" in out, out
+    assert "received 300 of 300" in out, out
+
+
 def test_examples_start_their_own_pair_without_a_url() -> None:
     result = run_example("stomp_basic.py")
     assert result.returncode == 0, result.stdout + result.stderr
