@@ -256,8 +256,7 @@ class AsyncConnection:
     def _wake_waiters(self) -> None:
         waiters, self._change_waiters = self._change_waiters, []
         for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+            _wake(waiter)
 
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
         """``attempt()`` until it does not raise WouldBlock, looking again each time the
@@ -282,8 +281,16 @@ class AsyncConnection:
                     raise TimeoutError
                 changed: asyncio.Future[None] = self.loop.create_future()
                 self._change_waiters.append(changed)
-                with contextlib.suppress(TimeoutError):  # one last look, then TimeoutError
-                    await asyncio.wait_for(changed, remaining)
+                # Woken by a change, or at the deadline for one last look (no wait_for: it
+                # would make a task for every wait).
+                expiry = (
+                    None if remaining is None else self.loop.call_later(remaining, _wake, changed)
+                )
+                try:
+                    await changed
+                finally:
+                    if expiry is not None:
+                        expiry.cancel()
         finally:
             self._watching -= 1
 
@@ -760,6 +767,11 @@ class AsyncTransactionAttempt:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> bool:
         return await self._connection._run(self.sync.__exit__, kind, error, trace)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _settle(future: asyncio.Future[Message | None], completion: SendCompletion) -> None:
