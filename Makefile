@@ -39,8 +39,7 @@ pytest: $(STAMPS)/venv
 bench: $(STAMPS)/venv
 	$(PY) benchmarks/core.py
 	$(PY) benchmarks/broker.py
-	$(PY) benchmarks/client.py
-	$(PY) benchmarks/paths.py
+	$(PY) benchmarks/client.py  # and benchmarks/paths.py
 	$(PY) benchmarks/aio.py
 	$(PY) benchmarks/spark.py
 	$(PY) benchmarks/tracing.py

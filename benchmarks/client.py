@@ -21,6 +21,10 @@ the same run (best of --repeats, runs alternated so that both see the same machi
    the sender must stop at the confirmation window, and the growth must stay within the
    window plus a constant (MEMORY_CONSTANT). The live is then resumed and the rest of the
    sends go through while the peak is watched.
+6. The paths applications use, each against the raw client doing the same (synchronous and
+   pipelined confirmed sends, transactions of 1, 10 and 100, receives in every mode):
+   benchmarks/paths.py, run last with the same --quick/--repeats unless --no-paths, its
+   figures printed (or, with --json, included under "paths").
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import os
 import resource
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -304,6 +309,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="alternated runs, best kept (3)")
     parser.add_argument("--failover-runs", type=int, help="kills per protocol (20)")
     parser.add_argument("--memory-sends", type=int, help="sends in the memory run (1,000,000)")
+    parser.add_argument(
+        "--no-paths", action="store_true", help="leave out benchmarks/paths.py's figures"
+    )
     args = parser.parse_args()
     quick = args.quick
     messages = args.messages or (5_000 if quick else 20_000)
@@ -410,7 +418,11 @@ def main() -> None:
             rows.append((f"{name} failover, {runs} kills: p99", f"{p99:.2f} s", "<= 2 s", p99 <= 2))
 
     figures["load_average"] = os.getloadavg()
+    paths = [] if args.no_paths else paths_command(args)
     if args.json:
+        if paths:
+            run = subprocess.run([*paths, "--json"], check=True, capture_output=True, text=True)
+            figures["paths"] = json.loads(run.stdout)
         print(json.dumps(figures, indent=2))
         return
     width = max(len(r[0]) for r in rows)
@@ -418,6 +430,19 @@ def main() -> None:
     for label, value, target, ok in rows:
         print(f"{label:<{width}}  {value:>10}  {target:>10}  {'PASS' if ok else 'FAIL'}")
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if paths:
+        print(flush=True)
+        subprocess.run(paths, check=True)
+
+
+def paths_command(args: argparse.Namespace) -> list[str]:
+    """benchmarks/paths.py with this run's --quick and --repeats (its own pair, its own run)."""
+    command = [sys.executable, str(Path(__file__).with_name("paths.py"))]
+    if args.quick:
+        command.append("--quick")
+    if args.repeats:
+        command += ["--repeats", str(args.repeats)]
+    return command
 
 
 if __name__ == "__main__":
