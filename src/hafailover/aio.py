@@ -406,6 +406,7 @@ class AsyncSession:
         selector: str | None = None,
         prefetch: int = DEFAULT_PREFETCH,
         reliability: LinkReliability | None = None,
+        dedup: int | None = None,
     ) -> AsyncConsumer:
         consumer = await self.connection._run(
             self.sync.create_consumer,
@@ -413,6 +414,7 @@ class AsyncSession:
             selector=selector,
             prefetch=prefetch,
             reliability=reliability,
+            dedup=dedup,
         )
         return AsyncConsumer(consumer, self)
 
@@ -648,6 +650,10 @@ class AsyncConsumer:
     @property
     def destination(self) -> Destination:
         return self.sync.destination
+
+    @property
+    def duplicates_dropped(self) -> int:
+        return self.sync.duplicates_dropped
 
     def _take(self) -> Message:
         message = self.sync._receive_now()

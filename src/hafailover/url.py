@@ -203,6 +203,14 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean")
 
 
+def _parse_dedup(text: str) -> int:
+    """How many message ids each consumer remembers to drop duplicates; 0 is off."""
+    value = int(text.strip())
+    if value < 0:
+        raise ValueError(f"{value} is negative")
+    return value
+
+
 def _parse_method(text: str) -> FailoverMethod:
     return FailoverMethod(text.strip().lower())
 
@@ -267,6 +275,7 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
     ),
     _Option("use_topology", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("duplicate_detection", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
+    _Option("consumer_dedup", _parse_dedup, str, ("0 (off)", "a positive count of message ids")),
     # TLS (stomp+ssl://, amqps://): the CA certificates that verify the broker (else the
     # system's), a client certificate and key for mutual TLS, and an explicit opt-out.
     _Option("ssl_ca_file", _parse_file, _render_file, ("the path of a PEM file",)),
@@ -335,6 +344,7 @@ class FailoverPolicy:
     call_failover_timeout: float | None = None
     use_topology: bool = True
     duplicate_detection: bool = True
+    consumer_dedup: int = 0
     ssl_ca_file: str | None = None
     ssl_cert_file: str | None = None
     ssl_key_file: str | None = None

@@ -185,6 +185,7 @@ class Connection(Calls, LinkEventHandlers):
         self._reattached = 0
         self._in_doubt = 0
         self._received = 0
+        self._duplicates_dropped = 0  # by consumers' duplicate windows (consumer_dedup)
         self._exception_listener = exception_listener
         self._event_listeners: list[Callable[[ConnectionEvent], None]] = []
         self._notifier = Notifier()
@@ -234,6 +235,7 @@ class Connection(Calls, LinkEventHandlers):
                 resent=core.resent,
                 in_doubt=self._in_doubt,
                 received=self._received,
+                duplicates_dropped=self._duplicates_dropped,
             )
 
     def set_exception_listener(self, listener: Callable[[HaFailoverError], None] | None) -> None:

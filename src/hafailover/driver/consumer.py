@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Final
 
 from hafailover._links import Link
 from hafailover.ack_modes import AckAction, AckMode
+from hafailover.dedup import DuplicateWindow, Remembered, remembered_at
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
@@ -50,6 +51,8 @@ class Consumer:
         destination: Destination,
         prefetch: int,
         selector: str | None = None,
+        *,
+        dedup: int = 0,
     ) -> None:
         self.session = session
         self.selector = selector
@@ -62,6 +65,10 @@ class Consumer:
         self._closed = False
         self._on_link = 0  # serial of the link this consumer is subscribed on
         self._subscribed: SendCompletion | None = None  # the broker's answer to subscribing
+        # Consumer-side duplicate suppression (dedup.py): None when off.
+        self._dedup = DuplicateWindow(dedup) if dedup else None
+        self._remembered_at = remembered_at(session.ack_mode)
+        self.duplicates_dropped = 0
 
     @property
     def _acknowledged(self) -> bool:
@@ -135,12 +142,36 @@ class Consumer:
             generation, tag, message = self._buffer.popleft()
             if generation != rules.generation:
                 continue  # prefetched before a reconnect: the broker sends it again
+            dedup = self._dedup
+            if dedup is not None:
+                if message.message_id in dedup:
+                    self._drop_duplicate(tag)
+                    continue
+                if self._remembered_at is Remembered.AT_DELIVERY:
+                    dedup.remember((message.message_id,))
+                else:
+                    session._dedup_pending[tag] = (self, message.message_id)
             message.delivery = rules.delivered(tag)
             message._acknowledger = session._acknowledge_message
             session._tag_subscriptions[tag] = self.subscription
             session.connection._received += 1
             return message
         return None
+
+    def _drop_duplicate(self, tag: str) -> None:
+        """Under the lock: a delivery whose id this consumer had delivered and acknowledged
+        already: acknowledged on the wire, never handed out. An acknowledge that cannot be
+        written now is not retried: the broker delivers it again, and it is dropped again."""
+        connection = self.session.connection
+        self.duplicates_dropped += 1
+        connection._duplicates_dropped += 1
+        link = connection._link
+        if not self._acknowledged or link is None or not connection._machine.is_up:
+            return
+        try:
+            link.acknowledge(self.subscription, tag, tx=None, token=None)
+        except HaFailoverError as exc:
+            connection._io_failed(link, exc)
 
     def _after_delivery(self, message: Message) -> None:
         """The automatic acknowledge of AUTO / DUPS_OK (F6, F7)."""
@@ -227,8 +258,7 @@ class Consumer:
                 if remaining is not None and remaining <= 0:
                     return None
                 connection._cond.wait(remaining if remaining is not None else 1.0)
-        with tracing.receiving(self, message, started):
-            self._after_delivery(message)
+        self._hand_out(message, started)
         return message
 
     def _receive_now(self) -> Message | None:
@@ -244,9 +274,21 @@ class Consumer:
         with session.connection._cond:
             message = self._next()
         if message is not None:
+            self._hand_out(message, started)
+        return message
+
+    def _hand_out(self, message: Message, started: int) -> None:
+        """The automatic acknowledge of a message receive() is about to return. If it
+        raises instead (F6), the application never had the message: its id leaves the
+        duplicate window, so that its redelivery is delivered."""
+        try:
             with tracing.receiving(self, message, started):
                 self._after_delivery(message)
-        return message
+        except HaFailoverError:
+            if self._dedup is not None and self._remembered_at is Remembered.AT_DELIVERY:
+                with self.session.connection._cond:
+                    self._dedup.forget(message.message_id)
+            raise
 
     def _check_receive(self) -> None:
         self.session._check_open()

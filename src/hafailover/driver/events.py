@@ -55,3 +55,4 @@ class ConnectionStatistics:
     resent: int  # confirmed sends resent with their duplicate id after a reconnect
     in_doubt: int  # sends released with UNBLOCKED: may or may not have been stored
     received: int  # messages handed to the application
+    duplicates_dropped: int = 0  # acknowledged and dropped by consumers' duplicate windows

@@ -76,6 +76,9 @@ class Session(Transactions):
         self._tx: object = None  # the broker's transaction handle, once work started
         self._tx_link = 0
         self._tag_subscriptions: dict[str, str] = {}
+        # Deliveries of consumers with a duplicate window, until they are acknowledged or
+        # committed (their ids join the window) or given back (they do not): tag -> both.
+        self._dedup_pending: dict[str, tuple[Consumer, str | None]] = {}
         self._closed = False
         self._dispatcher: threading.Thread | None = None
         self._browsers: list[Browser] = []
@@ -118,10 +121,17 @@ class Session(Transactions):
         selector: str | None = None,
         prefetch: int = DEFAULT_PREFETCH,
         reliability: LinkReliability | None = None,
+        dedup: int | None = None,
     ) -> Consumer:
         """A consumer of a queue, topic or temporary queue. ``reliability`` (Qpid's link
-        reliability) must agree with the session's ack mode (F14)."""
+        reliability) must agree with the session's ack mode (F14). ``dedup``: how many
+        acknowledged message ids it remembers to drop duplicates (0 off; None: the URL's
+        ``consumer_dedup``)."""
         self._check_open()
+        if dedup is None:
+            dedup = self.connection.policy.consumer_dedup
+        if isinstance(dedup, bool) or not isinstance(dedup, int) or dedup < 0:
+            raise ConfigurationError(f"dedup must be a whole number >= 0, not {dedup!r}")
         check_link_reliability(self.ack_mode, reliability)
         if selector is not None and not self.connection.policy.brokers[0].scheme.startswith(
             "stomp"
@@ -133,7 +143,7 @@ class Session(Transactions):
         connection = self.connection
         with connection._cond:
             subscription = f"sub-{next(connection._subscription_ids)}"
-            consumer = Consumer(self, subscription, target, prefetch, selector)
+            consumer = Consumer(self, subscription, target, prefetch, selector, dedup=dedup)
             self._consumers[subscription] = consumer
         connection._subscribe(consumer)
         while True:
@@ -246,7 +256,11 @@ class Session(Transactions):
                 connection._io_failed(link, exc)
                 # Given up: if a reattach brings them again, they are delivered again.
                 self._forget_seen(decision.tags)
+                self._dedup_forget(decision.tags)
         completion.result()
+        if self._dedup_pending:
+            with connection._cond:
+                self._dedup_settled(decision.tags)
 
     def recover(self) -> None:
         """Redeliver every unacknowledged message; after a failover this cleans the session."""
@@ -281,8 +295,25 @@ class Session(Transactions):
                 consumer._buffer.clear()
                 consumer._buffer.extend(kept)
 
+    def _dedup_settled(self, tags: tuple[str, ...]) -> None:
+        """Under the lock: these deliveries are acknowledged or committed; their ids join
+        their consumers' duplicate windows."""
+        pending = self._dedup_pending
+        for tag in tags:
+            entry = pending.pop(tag, None)
+            if entry is not None:
+                consumer, message_id = entry
+                if consumer._dedup is not None:
+                    consumer._dedup.remember((message_id,))
+
+    def _dedup_forget(self, tags: tuple[str, ...]) -> None:
+        """Under the lock: these deliveries go back; their redelivery is not a duplicate."""
+        for tag in tags:
+            self._dedup_pending.pop(tag, None)
+
     def _give_back(self, tags: tuple[str, ...]) -> None:
         """Under the lock: NACK deliveries so the broker redelivers them."""
+        self._dedup_forget(tags)
         connection = self.connection
         link = connection._link
         if link is None or not connection._machine.is_up:
@@ -305,6 +336,7 @@ class Session(Transactions):
         else:
             self._tx = None
             self._tx_sends = []
+            self._dedup_pending.clear()  # deliveries of the old session: never acknowledged
             for browser in self._browsers:
                 browser._invalidate()
         if outcome.discard_prefetched:

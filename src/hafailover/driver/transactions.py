@@ -62,6 +62,10 @@ class Transactions:
 
         def _drop_buffered(self, tags: tuple[str, ...]) -> None: ...
 
+        def _dedup_settled(self, tags: tuple[str, ...]) -> None: ...
+
+        def _dedup_forget(self, tags: tuple[str, ...]) -> None: ...
+
     def transaction(self, *, retries: int = 3) -> TransactionBlock:
         """A block of transacted work committed at its end and run again, up to
         ``retries`` more times, when a failover rolled it back (see TransactionBlock)."""
@@ -144,6 +148,7 @@ class Transactions:
             transaction.commit_finished()
             tx_rules.transaction_ended()
             self._tx = None
+            self._dedup_settled(received)
 
     def _end_interrupted_commit(
         self, tx_rules: TransactedAckRules, exc: BaseException | None, received: tuple[str, ...]
@@ -189,6 +194,7 @@ class Transactions:
         and the deliveries to give back."""
         self._tx_sends = []
         received = tx_rules.received_in_transaction()
+        self._dedup_forget(received)
         tx_rules.transaction_ended()
         handle = self._take_tx() if on_broker else None
         for consumer in self._consumers.values():

@@ -1,0 +1,170 @@
+"""Consumer-side duplicate suppression against the scripted broker: a copy of a message the
+consumer had delivered and acknowledged is acknowledged and dropped; one it had not (not
+yet acknowledged, given back, rolled back) is delivered. Milliseconds, no real broker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import hafailover
+from hafailover import AckMode, ConfigurationError, InvalidURLError, Message
+
+from .fake import FakeBroker, link_factory
+
+pytestmark = pytest.mark.timeout(30)
+
+URL = (
+    "failover:(stomp://app:pw@live:61613,stomp://app:pw@backup:61613)"
+    "?heartbeat=250ms&retry_interval=5ms&max_retry_interval=20ms&call_timeout=5s"
+)
+
+
+@pytest.fixture
+def broker() -> Iterator[FakeBroker]:
+    started = FakeBroker(duplicate_detection=False)  # it stores every copy, as RabbitMQ does
+    started.start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def connection(broker: FakeBroker) -> Iterator[hafailover.Connection]:
+    opened = hafailover.connect(f"{URL}&consumer_dedup=100", link_factory=link_factory(broker))
+    yield opened
+    opened.close()
+
+
+def put(broker: FakeBroker, *messages: Message) -> None:
+    with broker.lock:
+        broker.queues["orders"].extend(messages)
+
+
+def texts(consumer: hafailover.Consumer, timeout: float = 0.3) -> list[str]:
+    got = []
+    while (message := consumer.receive(timeout)) is not None:
+        got.append(message.text)
+        if consumer.session.ack_mode in (AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL):
+            message.acknowledge()
+    return got
+
+
+def copy(message_id: str, text: str) -> Message:
+    return Message(text, message_id=message_id)
+
+
+@pytest.mark.parametrize("mode", [AckMode.AUTO, AckMode.DUPS_OK, AckMode.CLIENT_INDIVIDUAL])
+def test_a_copy_of_an_acknowledged_message_is_acknowledged_and_dropped(
+    broker: FakeBroker, connection: hafailover.Connection, mode: AckMode
+) -> None:
+    session = connection.create_session(mode)
+    consumer = session.create_consumer("queue://orders")
+    connection.start()
+    put(broker, copy("m1", "first"), copy("m2", "second"))
+    assert texts(consumer) == ["first", "second"]
+    put(broker, copy("m1", "first again"), copy("m3", "third"))
+    assert texts(consumer) == ["third"]
+    assert consumer.duplicates_dropped == 1
+    assert connection.statistics().duplicates_dropped == 1
+    with broker.lock:  # the dropped copy was acknowledged: the broker holds nothing
+        assert all(not s.unacked for s in broker.sessions.values())
+
+
+def test_a_copy_of_a_message_not_yet_acknowledged_is_delivered(
+    broker: FakeBroker, connection: hafailover.Connection
+) -> None:
+    """CLIENT modes: an id counts once acknowledged; before that a copy is a delivery."""
+    session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+    consumer = session.create_consumer("queue://orders")
+    connection.start()
+    put(broker, copy("m1", "first"), copy("m1", "copy"))
+    first = consumer.receive(1)
+    second = consumer.receive(1)
+    assert first is not None and second is not None
+    assert (first.text, second.text) == ("first", "copy")
+    first.acknowledge()
+    second.acknowledge()
+    put(broker, copy("m1", "third copy"))
+    assert consumer.receive(0.3) is None
+    assert consumer.duplicates_dropped == 1
+
+
+def test_a_committed_id_is_dropped_and_a_rolled_back_one_delivered(
+    broker: FakeBroker, connection: hafailover.Connection
+) -> None:
+    session = connection.create_session(AckMode.SESSION_TRANSACTED)
+    consumer = session.create_consumer("queue://orders")
+    connection.start()
+    put(broker, copy("c1", "committed"))
+    message = consumer.receive(1)
+    assert message is not None
+    session.commit()
+    put(broker, copy("r1", "rolled back"))
+    message = consumer.receive(1)
+    assert message is not None and message.text == "rolled back"
+    session.rollback()  # given back: its redelivery is a delivery, not a duplicate
+    again = consumer.receive(1)
+    assert again is not None and again.text == "rolled back"
+    session.commit()
+    put(broker, copy("c1", "committed, sent again"), copy("r1", "rolled back, sent again"))
+    assert consumer.receive(0.3) is None
+    assert consumer.duplicates_dropped == 2
+
+
+def test_the_window_forgets_the_oldest(broker: FakeBroker) -> None:
+    with hafailover.connect(f"{URL}&consumer_dedup=2", link_factory=link_factory(broker)) as c:
+        consumer = c.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        c.start()
+        put(broker, copy("a", "a"), copy("b", "b"), copy("c", "c"))
+        assert texts(consumer) == ["a", "b", "c"]
+        put(broker, copy("a", "a again"), copy("c", "c again"))
+        assert texts(consumer) == ["a again"]  # a had left the window of 2; c had not
+
+
+def test_off_by_default_and_per_consumer(broker: FakeBroker) -> None:
+    with hafailover.connect(URL, link_factory=link_factory(broker)) as c:
+        session = c.create_session(AckMode.AUTO)
+        plain = session.create_consumer("queue://orders")
+        c.start()
+        put(broker, copy("x", "x"), copy("x", "x again"))
+        assert texts(plain) == ["x", "x again"]
+        plain.close()
+        deduplicating = session.create_consumer("queue://orders", dedup=10)
+        put(broker, copy("y", "y"), copy("y", "y again"))
+        assert texts(deduplicating) == ["y"]
+        with pytest.raises(ConfigurationError, match="dedup must be a whole number"):
+            session.create_consumer("queue://orders", dedup=-1)
+    with pytest.raises(InvalidURLError, match="consumer_dedup"):
+        hafailover.connect(f"{URL}&consumer_dedup=lots", link_factory=link_factory(broker))
+
+
+def test_a_message_whose_receive_raised_is_delivered_when_it_comes_again(
+    broker: FakeBroker, connection: hafailover.Connection
+) -> None:
+    """F6: an AUTO receive whose acknowledge could not be sent raises instead of returning
+    the message; the application never had it, so its redelivery is not a duplicate."""
+    session = connection.create_session(AckMode.AUTO)
+    consumer = session.create_consumer("queue://orders")
+    connection.start()
+    put(broker, copy("m1", "first"))
+    wait_buffered(consumer, 1)
+    with broker.paused():
+        broker.current().lose(noticed_by=("writer",))  # the acknowledge's write fails
+        broker.answers.append("fresh")
+        with pytest.raises(hafailover.AcknowledgeFailedError):
+            consumer.receive(1)
+    again = consumer.receive(5)  # the broker gave it back with the old session
+    assert again is not None and again.text == "first"
+    assert consumer.duplicates_dropped == 0
+    put(broker, copy("m1", "a copy"))  # now the application has had it: a copy is dropped
+    assert consumer.receive(0.3) is None
+    assert consumer.duplicates_dropped == 1
+
+
+def wait_buffered(consumer: hafailover.Consumer, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(consumer._buffer) < count:
+        assert time.monotonic() < deadline, "nothing was delivered"
+        time.sleep(0.002)
