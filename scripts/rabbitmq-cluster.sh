@@ -440,7 +440,10 @@ cmd_start() { # N
     local n="$1" t0=$SECONDS deadline
     [[ -s "$DATA/home/.erlang.cookie" && -s "$(node_dir "$n")/etc/rabbitmq.conf" ]] ||
         die "no cluster set up in $DATA (run ensure)"
-    [[ -n "$(running_nodes)" ]] || die "no node of the cluster runs: node $n has none to rejoin (run ensure)"
+    if [[ -z "$(running_nodes)" ]]; then
+        # RabbitMQ lets the node that stopped last start alone; any other waits for it
+        say "no node of the cluster runs: node $n starts alone, as the last node to stop must"
+    fi
     deadline=$((SECONDS + START_TIMEOUT))
     if node_pid "$n" >/dev/null; then
         say "node $n already running"

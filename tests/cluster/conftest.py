@@ -143,6 +143,17 @@ class RabbitMQCluster:
             types[name] = kind.strip()
         return types
 
+    def queue_leader(self, name: str, node: int = 1) -> int | None:
+        """The node holding the leader of quorum queue ``name`` (None: no such queue, or no
+        leader known)."""
+        lines = self.ctl(node, "list_queues", "--quiet", "--no-table-headers", "name", "leader")
+        for line in lines:
+            queue, _, leader = line.rpartition("\t")
+            if queue == name:
+                found = re.fullmatch(r"hafailover-c(\d+)@localhost", leader.strip())
+                return int(found.group(1)) if found else None
+        return None
+
     def declare_quorum_queue(self, name: str, node: int = 1) -> None:
         """Declare the durable quorum queue ``name``, replicated on the three nodes.
 

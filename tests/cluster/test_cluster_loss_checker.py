@@ -19,8 +19,8 @@ duplicate detection, so a send whose confirmation the kill swallowed is sent aga
 client resends it, ``duplicate_detection`` being on, and reports the broker's lack of it),
 and a consumer's acknowledges lost with a node come again.
 
-RabbitMQ 3.10's AMQP 1.0 plugin has no transactions: the transacted variant cannot run there,
-and ``test_amqp_transactions_are_refused_clearly_by_the_cluster`` pins the refusal.
+The producer is a confirmed one, not a transacted one: RabbitMQ 3.10 gives a STOMP commit no
+such guarantee, and its AMQP 1.0 plugin has no transactions (test_cluster_transactions.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from hafailover import (
     Connection,
     FailoverReport,
     Message,
-    ProtocolError,
     SendCompletion,
     StaleAcknowledgeError,
     UnblockedError,
@@ -290,26 +289,3 @@ def test_nothing_lost_on_a_quorum_queue_when_the_clients_node_is_killed(
     )
     assert unexpected == [], f"unexpected: {unexpected[:50]}"
     cluster.ctl(1, "delete_queue", name)  # the cluster does not gather queues across runs
-
-
-@pytest.mark.timeout(60)
-def test_amqp_transactions_are_refused_clearly_by_the_cluster(cluster: RabbitMQCluster) -> None:
-    # RabbitMQ 3.10's AMQP 1.0 plugin refuses the transaction coordinator (amqp:not-implemented)
-    # on a cluster as on one node: a transacted producer cannot run over AMQP there. The
-    # application gets the refusal, not a hang, and its other sessions go on working.
-    name = f"hafailover-cluster-tx-{uuid.uuid4().hex[:8]}"
-    cluster.declare_quorum_queue(name)
-    queue = f"/amq/queue/{name}"
-    with hafailover.connect(cluster.failover_url("amqp", OPTIONS)) as connection:
-        session = connection.create_session(AckMode.SESSION_TRANSACTED)
-        with pytest.raises(ProtocolError, match="amqp:not-implemented"):
-            session.create_producer(queue).send(Message(b"never", properties={"seq": 0}))
-        other = connection.create_session(AckMode.AUTO)
-        other.create_producer(queue).send(Message(b"plain", properties={"seq": 1}))
-        consumer = other.create_consumer(queue)
-        connection.start()
-        message = consumer.receive(timeout=10)
-        assert message is not None
-        assert message.properties["seq"] in (1, "1")
-        assert consumer.receive(timeout=1) is None  # the refused send stored nothing
-    cluster.ctl(1, "delete_queue", name)
