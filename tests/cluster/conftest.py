@@ -12,6 +12,9 @@ The function fixture ``cluster`` gives the same cluster with its three nodes run
 again any node a failed test left killed. Node N (1, 2, 3) listens on
 ``HAFAILOVER_RABBITMQ_CLUSTER_STOMP_BASE`` + N (61700 + N) for STOMP and
 ``HAFAILOVER_RABBITMQ_CLUSTER_AMQP_BASE`` + N (5700 + N) for AMQP, the variables the script reads.
+
+The tests' timeouts cover the test functions only (``func_only``): the set-up may install
+RabbitMQ on a fresh machine, and is bounded by the script's own timeouts and those below.
 """
 
 from __future__ import annotations

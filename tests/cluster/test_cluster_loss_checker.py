@@ -215,7 +215,7 @@ def _duplicates(received: list[int]) -> dict[int, int]:
     return {seq: n for seq, n in collections.Counter(received).items() if n > 1}
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(170, func_only=True)
 def test_nothing_lost_on_a_quorum_queue_when_the_clients_node_is_killed(
     cluster: RabbitMQCluster, protocol: str
 ) -> None:

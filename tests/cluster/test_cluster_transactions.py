@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.cluster]
 OPTIONS = "reconnect_attempts=-1&heartbeat=1s&retry_interval=100ms&max_retry_interval=1s"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, func_only=True)
 def test_amqp_transactions_are_refused_clearly_by_the_cluster(cluster: RabbitMQCluster) -> None:
     # The application gets the refusal, not a hang, and its other sessions go on working.
     name = f"hafailover-cluster-tx-{uuid.uuid4().hex[:8]}"
@@ -51,7 +51,7 @@ def test_amqp_transactions_are_refused_clearly_by_the_cluster(cluster: RabbitMQC
     cluster.ctl(1, "delete_queue", name)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(150, func_only=True)
 def test_a_stomp_commit_does_not_wait_for_the_quorum_queue(cluster: RabbitMQCluster) -> None:
     # Deterministic: with two nodes down the queue has no majority and can store nothing. The
     # client is on the third node, a follower of the queue: the leader's node is killed after
