@@ -8,6 +8,8 @@
 #   scripts/rabbitmq.sh status   say whether it runs: exit 0 running, 1 running but a port is
 #                                closed, 3 not running
 #   scripts/rabbitmq.sh ctl ARGS rabbitmqctl against this node (e.g. "ctl list_queues")
+#   scripts/rabbitmq.sh install  install Debian's rabbitmq-server if missing, start nothing
+#                                (scripts/rabbitmq-cluster.sh installs through it)
 #
 # The node is Debian 12's rabbitmq-server (3.10), run as a private node "hafailover@localhost"
 # that listens on 127.0.0.1 only and keeps everything (config, cookie, data, logs) under
@@ -389,12 +391,12 @@ main() {
     DIST_PORT="${DIST_PORT:-$((10#$AMQP_PORT + 20000))}"
     check_port_number HAFAILOVER_RABBITMQ_DIST_PORT "$DIST_PORT"
     case "$cmd" in
-        ensure | stop)
+        ensure | stop | install)
             mkdir -p "$DATA" "$LOG_DIR"
             # one ensure/stop at a time (parallel test sessions)
             exec 9>"$DATA/.lock"
             flock -w "$((INSTALL_TIMEOUT + START_TIMEOUT))" 9 || die "another rabbitmq.sh holds $DATA/.lock"
-            "cmd_$cmd"
+            if [[ "$cmd" == install ]]; then install_rabbitmq; else "cmd_$cmd"; fi
             ;;
         status) cmd_status ;;
         ctl)
@@ -403,7 +405,7 @@ main() {
             ctl "$STOP_TIMEOUT" "$@"
             ;;
         *)
-            echo "usage: $0 ensure|stop|status|ctl ARGS..." >&2
+            echo "usage: $0 ensure|stop|status|install|ctl ARGS..." >&2
             exit 2
             ;;
     esac

@@ -25,6 +25,24 @@ from hafailover.errors import ConfigurationError
 def test_forms(text: str, kind: DestinationKind, name: str) -> None:
     destination = parse_destination(text)
     assert destination == Destination(kind, name)
+    assert not destination.existing
+
+
+def test_an_existing_queue_is_rabbitmqs_amq_queue_form() -> None:
+    destination = parse_destination("/amq/queue/orders")
+    assert destination == Destination(DestinationKind.QUEUE, "orders", existing=True)
+    assert destination != Destination.queue("orders")  # one is declared on use, one is not
+    # RabbitMQ takes the same address over STOMP and over its AMQP 1.0 plugin; brokers that
+    # declare nothing on use get the plain queue
+    assert destination.stomp == "/amq/queue/orders"
+    assert destination.amqp == "queue://orders"
+    assert str(destination) == "/amq/queue/orders"
+    assert parse_destination(str(destination)) == destination
+
+
+def test_only_a_queue_can_be_an_existing_queue() -> None:
+    with pytest.raises(ConfigurationError, match="only a queue can be an existing queue"):
+        Destination(DestinationKind.TOPIC, "prices", existing=True)
 
 
 def test_renderings() -> None:
@@ -41,6 +59,7 @@ def test_renderings() -> None:
     [
         ("queue://", "names no queue"),
         ("/queue/", "names no queue"),
+        ("/amq/queue/", "names no queue"),
         ("http://x", "unknown destination form"),
         ("/exchange/x", "unknown destination form"),
         ("", "1 to 255 characters"),
@@ -60,9 +79,11 @@ def test_non_strings_are_refused() -> None:
 
 
 @given(
-    st.sampled_from(list(DestinationKind)), st.from_regex(r"[A-Za-z0-9._-]{1,40}", fullmatch=True)
+    st.sampled_from(list(DestinationKind)),
+    st.from_regex(r"[A-Za-z0-9._-]{1,40}", fullmatch=True),
+    st.booleans(),
 )
-def test_canonical_form_round_trips(kind: DestinationKind, name: str) -> None:
-    destination = Destination(kind, name)
+def test_canonical_form_round_trips(kind: DestinationKind, name: str, existing: bool) -> None:
+    destination = Destination(kind, name, existing=existing and kind is DestinationKind.QUEUE)
     assert parse_destination(str(destination)) == destination
     assert parse_destination(destination) is destination
