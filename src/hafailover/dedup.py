@@ -4,8 +4,9 @@ delivered and acknowledged, the last ``size`` of them.
 Brokers without duplicate detection (RabbitMQ, ActiveMQ Classic, a plain STOMP broker) store
 again what a failover resent (F13 stamps the same id on the resend) and deliver again what a
 stale acknowledge left unacknowledged (F6-F8). A consumer with a window acknowledges and
-drops a message whose id it has already had delivered and acknowledged, so the application
-sees it once, as long as the first copy is among the last ``size`` ids remembered.
+drops a message whose id it has already had delivered and acknowledged (or delivered, and the
+application still holds it: the driver keeps those), so the application sees it once, as
+long as the first copy is among the last ``size`` ids remembered.
 
 When an id counts as acknowledged is the acknowledge mode's matter (``remembered_at``): at
 delivery where the acknowledge is automatic or absent, at a successful ``acknowledge()`` in

@@ -68,6 +68,10 @@ class Consumer:
         # Consumer-side duplicate suppression (dedup.py): None when off.
         self._dedup = DuplicateWindow(dedup) if dedup else None
         self._remembered_at = remembered_at(session.ack_mode)
+        # Ids delivered and not yet acknowledged or committed: a copy of one is dropped too,
+        # since the application holds the first (which the broker redelivers if its
+        # acknowledge fails).
+        self._held_ids: set[str | None] = set()
         self.duplicates_dropped = 0
 
     @property
@@ -144,13 +148,15 @@ class Consumer:
                 continue  # prefetched before a reconnect: the broker sends it again
             dedup = self._dedup
             if dedup is not None:
-                if message.message_id in dedup:
+                message_id = message.message_id
+                if message_id is not None and (message_id in dedup or message_id in self._held_ids):
                     self._drop_duplicate(tag)
                     continue
                 if self._remembered_at is Remembered.AT_DELIVERY:
-                    dedup.remember((message.message_id,))
+                    dedup.remember((message_id,))
                 else:
-                    session._dedup_pending[tag] = (self, message.message_id)
+                    session._dedup_pending[tag] = (self, message_id)
+                    self._held_ids.add(message_id)
             message.delivery = rules.delivered(tag)
             message._acknowledger = session._acknowledge_message
             session._tag_subscriptions[tag] = self.subscription

@@ -303,13 +303,16 @@ class Session(Transactions):
             entry = pending.pop(tag, None)
             if entry is not None:
                 consumer, message_id = entry
+                consumer._held_ids.discard(message_id)
                 if consumer._dedup is not None:
                     consumer._dedup.remember((message_id,))
 
     def _dedup_forget(self, tags: tuple[str, ...]) -> None:
         """Under the lock: these deliveries go back; their redelivery is not a duplicate."""
         for tag in tags:
-            self._dedup_pending.pop(tag, None)
+            entry = self._dedup_pending.pop(tag, None)
+            if entry is not None:
+                entry[0]._held_ids.discard(entry[1])
 
     def _give_back(self, tags: tuple[str, ...]) -> None:
         """Under the lock: NACK deliveries so the broker redelivers them."""
@@ -337,6 +340,8 @@ class Session(Transactions):
             self._tx = None
             self._tx_sends = []
             self._dedup_pending.clear()  # deliveries of the old session: never acknowledged
+            for consumer in self._consumers.values():
+                consumer._held_ids.clear()
             for browser in self._browsers:
                 browser._invalidate()
         if outcome.discard_prefetched:
