@@ -342,7 +342,9 @@ def test_each_send_is_settled_at_most_once_and_never_after_the_loss(
     settled = [entry[1] for entry in events.log if entry[0] == "settled"]
     assert len(settled) == len(set(settled))
     assert set(settled) <= set(sent)
-    assert settled == sorted(settled)  # in the order they were sent, here one link
+    # Not asserted: their order. Deliveries one read updates come out of proton's collector
+    # in its own order (an acceptance and a rejection in one read can come reversed), and
+    # AMQP does not order settlements across deliveries either.
     assert kinds.count("lost") <= 1
     if "lost" in kinds:
         assert "settled" not in kinds[kinds.index("lost") :]
