@@ -29,8 +29,8 @@ clients can exchange messages. The mapping is lossless for what AMQP clients com
 - application properties travel as headers. A STOMP header has no type, so values are kept
   as text (``true``/``false`` for booleans) and are delivered as strings.
 - duplicate detection (DESIGN F13): the application property ``_AMQ_DUPL_ID`` if present,
-  else the message-id of a durable message, is the duplicate id; ``_AMQ_DUPL_ID`` is not
-  stored as a header.
+  else the message-id of a durable message, is the duplicate id; ``_AMQ_DUPL_ID`` is
+  delivered with the message, as on Artemis (over STOMP as a header).
 - message annotations and delivery annotations are not kept.
 """
 
@@ -200,8 +200,7 @@ def _incoming(message: Message, now: float) -> IncomingMessage:
                 continue
             if key == DUPLICATE_ID_PROPERTY:
                 duplicate_id = _property_text(value)
-            else:
-                headers[str(key)] = _property_text(value)
+            headers[str(key)] = _property_text(value)
     body = message.body
     if isinstance(body, bytes | memoryview):
         raw = bytes(body)

@@ -23,7 +23,9 @@ Rules this module enforces:
   Temporary queues get broker-wide names unique to the session; they live as long as the
   session, a reattach included (a reconnect is a new session with new queues).
 - Duplicate detection: a SEND carrying ``_AMQ_DUPL_ID`` that the address has seen is
-  dropped and still acknowledged with its receipt (DESIGN F13).
+  dropped and still acknowledged with its receipt (DESIGN F13). As on Artemis, the header
+  stays with the message and is delivered with it: it is the one id of the message that
+  is the same on every node (``message-id`` is the node's).
 - Flow control: a client-acknowledge subscription holds at most its prefetch (1000 unless
   it asks otherwise), and a slow reader pauses its consumers while the socket's buffer is
   full. Known limit: an ``ack:auto`` subscription is settled as it is dispatched, so
@@ -89,7 +91,6 @@ _SEND_CONTROL: Final = frozenset(
         "persistent",
         "priority",
         "expires",
-        DUPLICATE_ID_HEADER,
     }
 )
 _ACK_MODES: Final = {
