@@ -664,7 +664,7 @@ class AsyncConsumer:
     async def receive(self, timeout: float | None = None) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: forever) without
         blocking the loop; None when none came. Waits through failover (F1); in AUTO,
-        until the previous message's acknowledge is confirmed (F6)."""
+        for the previous message's acknowledge when F6 needs it confirmed first."""
         with contextlib.suppress(WouldBlock):
             message = self.sync._receive_now()  # the common case: one is buffered
             if message is not None:

@@ -107,6 +107,9 @@ class Message:
     destination: Destination | None = None
     redelivered: bool = False
     delivery_count: int = 0
+    # Set on receipt: ``message_id`` is the one its sender gave (it stays the same when the
+    # message is delivered again, by this broker or by another after a failover).
+    _sender_id: bool = attrs.field(default=False, repr=False, alias="sender_id")
     # The session's handle for acknowledge(); None on a message built by the application.
     delivery: Any = attrs.field(default=None, repr=False)
     _acknowledger: Any = attrs.field(default=None, repr=False, alias="acknowledger")

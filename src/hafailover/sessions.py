@@ -31,7 +31,7 @@ Window commands that no call waits for (sends made with ``confirm=False``) follo
 replayed on a reattach; on a reconnect resent when they carry a duplicate id, else reported
 in doubt. Each session's rules decide its deliveries and transaction (``AckRules.failover``),
 with what the reattach showed: whether transacted work was lost and whether the server got
-a commit (F9, F3).
+a commit (F9, F3), or what the reconnect lost: the acknowledges still waiting (F6).
 
 Pure: no sockets, threads or clocks; the driver holds the lock around every call.
 """
@@ -71,8 +71,8 @@ __all__ = [
     "SessionsCore",
 ]
 
-# With cumulative receipts, ask for a receipt at least every this many confirmed sends,
-# and whenever somebody waits.
+# With cumulative receipts, ask for a receipt at least every this many confirmed sends or
+# AUTO acknowledges, and whenever somebody waits.
 RECEIPT_EVERY: Final = 64
 
 
@@ -95,6 +95,7 @@ class Call:
     size: int = 0  # bytes held against the window of a link without one
     message_id: str = ""
     subscription: str = ""  # SUBSCRIBE: the consumer's subscription
+    tag: str = ""  # ACK: the delivery acknowledged
     link: int = 0  # serial of the link it was written on; 0 before it was
     command_id: int = -1  # its id in the confirmation window; -1 without one
     cumulative: bool = False  # any later receipt confirms it too
@@ -172,9 +173,12 @@ class SessionsCore:
         size: int = 0,
         message_id: str = "",
         subscription: str = "",
+        tag: str = "",
         commit: bool = False,
     ) -> int:
-        """Register a call about to be written; returns its token."""
+        """Register a call about to be written; returns its token. An acknowledge names
+        its ``tag``, and its message's ``message_id`` when the sender gave one and the
+        acknowledge is pipelined (F6)."""
         token = self._next_token
         self._next_token = token + 1
         self.calls[token] = Call(
@@ -184,6 +188,7 @@ class SessionsCore:
             size=size,
             message_id=message_id,
             subscription=subscription,
+            tag=tag,
             commit=commit,
         )
         self.unconfirmed_bytes += size
@@ -191,7 +196,7 @@ class SessionsCore:
 
     def asks_receipt(self, token: int | None, *, windowed: bool, waited_for: bool) -> bool:
         """Whether the frame of ``token`` asks for a receipt: always without cumulative
-        receipts; with them, when somebody waits for it or every RECEIPT_EVERY sends."""
+        receipts; with them, when somebody waits for it or every RECEIPT_EVERY calls."""
         if token is None:
             return False
         return not windowed or waited_for or self._unreceipted >= RECEIPT_EVERY - 1
@@ -205,7 +210,8 @@ class SessionsCore:
             return
         call.link = link
         call.command_id = command_id
-        if call.kind in (CallKind.SEND, CallKind.SYNC) and windowed:
+        # In frame order, a receipt confirms the durable work of every frame before it.
+        if call.kind in (CallKind.SEND, CallKind.SYNC, CallKind.ACK) and windowed:
             call.cumulative = True
             self._receipt_order.append(token)
             self._unreceipted = 0 if asked else self._unreceipted + 1
@@ -364,7 +370,10 @@ class SessionsCore:
         unblock: list[int] = []
         resent: dict[int, list[str]] = {}
         in_doubt: dict[int, list[str]] = {}
+        lost_acks: dict[int, list[tuple[str, str]]] = {}
         for token, call in sorted(self.calls.items()):
+            if call.kind is CallKind.ACK and call.session_id is not None:
+                lost_acks.setdefault(call.session_id, []).append((call.tag, call.message_id))
             if call.kind is CallKind.SEND and call.resendable:
                 resend.append(token)
                 call.cumulative = False
@@ -383,6 +392,7 @@ class SessionsCore:
             replayed=(),
             resent=resent,
             in_doubt=in_doubt,
+            lost_acks=lost_acks,
         )
         return FailoverPlan(
             reattached=False,
@@ -402,6 +412,7 @@ class SessionsCore:
         replayed: tuple[int, ...],
         resent: Mapping[int, list[str]],
         in_doubt: Mapping[int, list[str]],
+        lost_acks: Mapping[int, list[tuple[str, str]]] | None = None,
     ) -> tuple[dict[int, FailoverOutcome], tuple[SessionFailover, ...]]:
         """Every session's rules (F6-F9): their outcomes, and the report's parts (the
         replayed ids, which the window does not tell apart by session, go to the first)."""
@@ -419,7 +430,8 @@ class SessionsCore:
                 )
                 rolled_back = outcome.dirty and not was_clean
             else:
-                outcome = rules.failover(reattached=reattached)
+                lost = () if lost_acks is None else tuple(lost_acks.get(session_id, ()))
+                outcome = rules.failover(reattached=reattached, lost_acks=lost)
             outcomes[session_id] = outcome
             parts.append(
                 SessionFailover(

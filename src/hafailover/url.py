@@ -276,6 +276,9 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
     _Option("use_topology", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("duplicate_detection", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("consumer_dedup", _parse_dedup, str, ("0 (off)", "a positive count of message ids")),
+    _Option(
+        "block_on_acknowledge", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE
+    ),
     # TLS (stomp+ssl://, amqps://): the CA certificates that verify the broker (else the
     # system's), a client certificate and key for mutual TLS, and an explicit opt-out.
     _Option("ssl_ca_file", _parse_file, _render_file, ("the path of a PEM file",)),
@@ -345,6 +348,7 @@ class FailoverPolicy:
     use_topology: bool = True
     duplicate_detection: bool = True
     consumer_dedup: int = 0
+    block_on_acknowledge: bool = False
     ssl_ca_file: str | None = None
     ssl_cert_file: str | None = None
     ssl_key_file: str | None = None

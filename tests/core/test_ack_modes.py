@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hafailover.ack_modes import (
+    PIPELINED_ACKS,
     AckAction,
     AckMode,
     ClientAckRules,
@@ -33,6 +34,54 @@ def test_f6_auto_reports_an_ack_caught_by_failover() -> None:
     decision = rules.after_delivery(delivery)
     assert decision.action is AckAction.RAISE
     assert decision.code is ErrorCode.ACKNOWLEDGE_FAILED
+
+
+def test_f6_auto_pipelines_only_what_its_sender_named() -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    assert rules.pipelines(sender_id=True, block_on_acknowledge=False)
+    assert not rules.pipelines(sender_id=False, block_on_acknowledge=False)
+    assert not rules.pipelines(sender_id=True, block_on_acknowledge=True)
+    for mode in (AckMode.CLIENT, AckMode.SESSION_TRANSACTED):
+        # No automatic acknowledge to confirm.
+        assert not rules_for(mode, 1).pipelines(sender_id=True, block_on_acknowledge=False)
+
+
+def test_f6_a_reconnect_expects_again_what_was_handed_out_before_the_last() -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    for tag in ("t1", "t2", "t3"):
+        rules.delivered(tag)
+    lost = (("t1", "m1"), ("t2", ""), ("t3", "m3"))  # t2's sender gave no id
+    outcome = rules.failover(reattached=False, lost_acks=lost)
+    assert outcome.expect_again == frozenset({"m1"})  # t3 was the last: it may come again
+    assert rules.redelivery_expected("m1")
+    assert not rules.redelivery_expected("m1")  # once
+    assert not rules.redelivery_expected("m3")
+    assert not rules.redelivery_expected(None)
+
+
+def test_f6_a_reattach_expects_nothing_again() -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    rules.delivered("t1")
+    rules.delivered("t2")
+    outcome = rules.failover(reattached=True, lost_acks=(("t1", "m1"),))
+    assert outcome.expect_again == frozenset()
+    assert not rules.redelivery_expected("m1")
+
+
+@given(st.lists(st.integers(min_value=0, max_value=5000), max_size=40))
+def test_f6_the_expected_redeliveries_stay_bounded(sizes: list[int]) -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    serial = 0
+    for size in sizes:
+        lost = []
+        for _ in range(size):
+            serial += 1
+            rules.delivered(f"t{serial}")
+            lost.append((f"t{serial}", f"m{serial}"))
+        rules.failover(reattached=False, lost_acks=tuple(lost))
+        assert len(rules._expected) <= 4 * PIPELINED_ACKS  # type: ignore[attr-defined]
+    if sizes and sizes[-1] >= 2:
+        assert rules.redelivery_expected(f"m{serial - 1}")  # the newest are kept
 
 
 def test_f7_dups_ok_drops_stale_acks_silently() -> None:

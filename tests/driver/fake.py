@@ -227,7 +227,12 @@ class FakeBroker:
                     tag = f"{link.serial}-{next(self._tags)}"
                     session.unacked[tag] = (queue, message)
                     session.delivered.add(tag)
-                    delivered = attrs.evolve(message, delivery=None, acknowledger=None)
+                    delivered = attrs.evolve(
+                        message,
+                        delivery=None,
+                        acknowledger=None,
+                        sender_id=message.message_id is not None,
+                    )
                     link.deliveries.append((subscription, tag, delivered))
                     pushed += 1
         link.flush_deliveries()

@@ -14,6 +14,7 @@ import pytest
 import hafailover
 from hafailover import (
     AckMode,
+    AcknowledgeFailedError,
     BrowserInvalidatedError,
     ConnectionClosedError,
     DisconnectedError,
@@ -361,6 +362,43 @@ def test_f6_auto_ack_redelivers_at_most_the_last_message(
         duplicates = len(got) - len(set(got))
         assert duplicates <= 1, got
         assert failures in ([], [ErrorCode.ACKNOWLEDGE_FAILED]), messages
+
+
+def test_f6_holds_when_the_live_dies_under_pipelined_acknowledges(
+    pair: BrokerPair, protocol: str
+) -> None:
+    """F6 with AUTO acknowledges in flight: messages stamped by their sender are handed out
+    without waiting for the previous acknowledge, and the live is SIGKILLed while the
+    consumer takes them as fast as it can. Whatever the broker had not confirmed comes
+    again (reattached: replayed; reconnected: redelivered and dropped), and the
+    application sees at most the last message it had before the kill again."""
+    url = url_for(pair, protocol)
+    total = 3000
+    _fill(url, "queue://f6kill", total)
+    killed = threading.Event()
+    with hafailover.connect(url) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer(
+            "queue://f6kill", prefetch=500
+        )
+        connection.start()
+        got: list[int] = []
+        failures = 0
+        while len(set(got)) < total:
+            if len(got) == 1000 and not killed.is_set():
+                threading.Thread(target=lambda: (pair.kill(pair.live), killed.set())).start()
+            try:
+                message = consumer.receive(15)
+            except AcknowledgeFailedError:
+                failures += 1
+                continue
+            assert message is not None, f"stalled after {len(set(got))} of {total}"
+            got.append(int(str(message.properties["seq"])))
+        assert killed.wait(10)
+        wait_until(lambda: connection.statistics().failovers == 1, 20, "the failover")
+        # One failover: at most the one message handed out last comes again, once.
+        assert len(got) - len(set(got)) <= 1, sorted({s for s in got if got.count(s) > 1})
+        assert failures <= 1
+    assert drain(url, "queue://f6kill") == []
 
 
 def test_f7_dups_ok_is_silent(pair: BrokerPair, protocol: str, api: Api) -> None:

@@ -7,7 +7,12 @@ the session carries out their decisions.
 
 from __future__ import annotations
 
-from hafailover.ack_modes.auto import AutoAckRules, DupsOkAckRules, NoAckRules
+from hafailover.ack_modes.auto import (
+    PIPELINED_ACKS,
+    AutoAckRules,
+    DupsOkAckRules,
+    NoAckRules,
+)
 from hafailover.ack_modes.base import (
     AckAction,
     AckDecision,
@@ -21,6 +26,7 @@ from hafailover.ack_modes.modes import AckMode, LinkReliability, check_link_reli
 from hafailover.ack_modes.transacted import TransactedAckRules
 
 __all__ = [
+    "PIPELINED_ACKS",
     "AckAction",
     "AckDecision",
     "AckMode",

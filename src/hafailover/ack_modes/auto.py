@@ -7,21 +7,81 @@ raises AcknowledgeFailed (the broker will redeliver the message) and for a
 listener the exception listener is told. DUPS_OK: the same, but silently,
 since the application accepted duplicates. No-ack: the broker settled each
 message as it sent it; there is never anything to acknowledge.
+
+AUTO acknowledges are pipelined where F6 allows it: the next message may be handed out
+before the previous one's acknowledge is confirmed when a redelivery of the previous one
+can be told by the id its sender gave it. A reattach replays unconfirmed acknowledges
+from the confirmation window; a reconnect loses them, and then a redelivery of any of
+those messages but the last is acknowledged and dropped (``expect_again``), so the
+application still sees at most the last one again. A message without its sender's id is
+confirmed before the next one is handed out, as is every one with ``block_on_acknowledge``.
+At most ``PIPELINED_ACKS`` acknowledges of a session wait for confirmation at once.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
 
-from hafailover.ack_modes.base import AckAction, AckDecision, AckRules, Delivery
+import attrs
+
+from hafailover.ack_modes.base import (
+    AckAction,
+    AckDecision,
+    AckRules,
+    Delivery,
+    FailoverOutcome,
+)
 from hafailover.ack_modes.modes import AckMode
 from hafailover.errors import ErrorCode
 
-__all__ = ["AutoAckRules", "DupsOkAckRules", "NoAckRules"]
+__all__ = ["PIPELINED_ACKS", "AutoAckRules", "DupsOkAckRules", "NoAckRules"]
+
+# At most this many AUTO acknowledges of one session wait for confirmation at once.
+PIPELINED_ACKS: Final = 256
+# Ids of redeliveries still expected, kept over several reconnects, at most this many.
+_EXPECTED_AT_MOST: Final = 4 * PIPELINED_ACKS
 
 
 class AutoAckRules(AckRules):
     mode: ClassVar[AckMode] = AckMode.AUTO
+
+    def __init__(self, session_id: int) -> None:
+        super().__init__(session_id)
+        self._last_tag: str | None = None  # the delivery handed out last
+        self._expected: dict[str, None] = {}  # ids of redeliveries to drop, oldest first
+
+    def delivered(self, tag: str) -> Delivery:
+        self._last_tag = tag
+        return super().delivered(tag)
+
+    @staticmethod
+    def pipelines(*, sender_id: bool, block_on_acknowledge: bool) -> bool:
+        """F6: whether the next message may be handed out before this one's acknowledge
+        is confirmed: only when a redelivery of this one can be told by its sender's id
+        (``sender_id``) and dropped, and the application did not ask to block."""
+        return sender_id and not block_on_acknowledge
+
+    def failover(
+        self, *, reattached: bool, lost_acks: tuple[tuple[str, str], ...] = ()
+    ) -> FailoverOutcome:
+        outcome = super().failover(reattached=reattached)
+        if reattached:
+            return outcome  # unconfirmed acknowledges are replayed from the window
+        # F6: the last message handed out may come again (its receive raises); the ones
+        # before it, whose acknowledges were pipelined, must not.
+        again = [mid for tag, mid in lost_acks if mid and tag != self._last_tag]
+        expected = self._expected
+        for message_id in again:
+            expected[message_id] = None
+        while len(expected) > _EXPECTED_AT_MOST:
+            del expected[next(iter(expected))]
+        return attrs.evolve(outcome, expect_again=frozenset(again))
+
+    def redelivery_expected(self, message_id: str | None) -> bool:
+        if message_id is None or message_id not in self._expected:
+            return False
+        del self._expected[message_id]
+        return True
 
     def after_delivery(self, delivery: Delivery) -> AckDecision:
         if self.is_stale(delivery):
@@ -37,6 +97,8 @@ class AutoAckRules(AckRules):
 
 
 class DupsOkAckRules(AutoAckRules):
+    """DUPS_OK acknowledges are never confirmed, so none is ever lost in flight."""
+
     mode: ClassVar[AckMode] = AckMode.DUPS_OK
 
     def _stale(self) -> AckDecision:

@@ -69,6 +69,9 @@ class FailoverOutcome:
     stale: tuple[str, ...]  # delivered, unacknowledged, now unacknowledgeable
     dirty: bool  # the session held unacknowledged messages (CLIENT) or work (TRANSACTED)
     discard_prefetched: bool = True  # prefetched messages are dropped: the broker resends
+    # AUTO (F6): ids of messages whose acknowledges the reconnect lost, handed out before
+    # the last one: a redelivery of one is acknowledged and dropped, not delivered again.
+    expect_again: frozenset[str] = frozenset()
 
 
 class AckRules:
@@ -112,8 +115,23 @@ class AckRules:
         """The application called recover(): always succeeds (F6, F8)."""
         return RecoverDecision(())
 
-    def failover(self, *, reattached: bool) -> FailoverOutcome:
-        """The connection failed over; ``reattached`` when the broker kept the session."""
+    @staticmethod
+    def pipelines(*, sender_id: bool, block_on_acknowledge: bool) -> bool:
+        """Whether the next message may be handed out before the automatic acknowledge of
+        this one is confirmed (only AUTO confirms them)."""
+        return False
+
+    def redelivery_expected(self, message_id: str | None) -> bool:
+        """A delivery after a reconnect: whether it is a message this session handed out
+        already (and must drop, acknowledging it). Forgets the id once it has come."""
+        return False
+
+    def failover(
+        self, *, reattached: bool, lost_acks: tuple[tuple[str, str], ...] = ()
+    ) -> FailoverOutcome:
+        """The connection failed over; ``reattached`` when the broker kept the session.
+        ``lost_acks``: acknowledges a reconnect lost, in order, as (delivery tag, the
+        message's id when its sender gave it, else "")."""
         if reattached:
             return FailoverOutcome(stale=(), dirty=False, discard_prefetched=False)
         self.generation += 1

@@ -37,7 +37,12 @@ class TransactedAckRules(AckRules):
         self._received.clear()
 
     def failover(
-        self, *, reattached: bool, lost_work: bool = False, commit_received: bool | None = None
+        self,
+        *,
+        reattached: bool,
+        lost_acks: tuple[tuple[str, str], ...] = (),
+        lost_work: bool = False,
+        commit_received: bool | None = None,
     ) -> FailoverOutcome:
         doomed = self.transaction.failover(
             reattached=reattached, lost_work=lost_work, commit_received=commit_received

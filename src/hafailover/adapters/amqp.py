@@ -402,6 +402,8 @@ def decode_message(payload: bytes, *, fallback: Destination | None = None) -> Me
         converted = _property_in(value)
         if converted is not None and _valid_property_name(name) and name != DUPLICATE_ID:
             properties[str(name)] = converted
+    stamped = received.get(DUPLICATE_ID)
+    duplicate_id = str(stamped) if isinstance(stamped, str) and stamped else None
     ttl = incoming.ttl
     correlation_id = _id_text(incoming.correlation_id)
     delivery_count = int(incoming.delivery_count)
@@ -413,7 +415,10 @@ def decode_message(payload: bytes, *, fallback: Destination | None = None) -> Me
         time_to_live=ttl if ttl and ttl > 0 else None,
         correlation_id=correlation_id,
         reply_to=_destination_in(incoming.reply_to),
-        message_id=_id_text(incoming.id),
+        # The duplicate id its sender stamped, when it did: the same on every broker and at
+        # every delivery (a broker may give a message without a message-id one of its own).
+        message_id=duplicate_id if duplicate_id is not None else _id_text(incoming.id),
+        sender_id=duplicate_id is not None,
         destination=_destination_in(incoming.address) or fallback,
         redelivered=delivery_count > 0 or not incoming.first_acquirer,
         delivery_count=delivery_count,

@@ -150,16 +150,20 @@ class Calls:
         resendable: bool = False,
         size: int = 0,
         commit: bool = False,
+        tag: str = "",
+        acked_id: str = "",
     ) -> int:
-        """Under the lock: register a call that waits for the broker; returns its token."""
+        """Under the lock: register a call that waits for the broker; returns its token.
+        An acknowledge gives its delivery's ``tag`` and, when pipelined, ``acked_id``."""
         message = completion.message
         token = self._core.call(
             kind,
             None if session is None else session.session_id,
             resendable=resendable,
             size=size,
-            message_id=message.ensure_message_id() if message is not None else "",
+            message_id=message.ensure_message_id() if message is not None else acked_id,
             subscription=consumer.subscription if consumer is not None else "",
+            tag=tag,
             commit=commit,
         )
         self._waiting[token] = Waiting(completion, destination, producer, consumer)

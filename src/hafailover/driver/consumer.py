@@ -146,6 +146,10 @@ class Consumer:
             generation, tag, message = self._buffer.popleft()
             if generation != rules.generation:
                 continue  # prefetched before a reconnect: the broker sends it again
+            if message._sender_id and rules.redelivery_expected(message.message_id):
+                # F6: handed out before a reconnect lost its pipelined acknowledge.
+                self._drop_duplicate(tag)
+                continue
             dedup = self._dedup
             if dedup is not None:
                 message_id = message.message_id
@@ -189,7 +193,7 @@ class Consumer:
                 link = connection._link
                 failure: HaFailoverError | None = None
                 if link is not None and connection._machine.is_up:
-                    failure = self._acknowledge_now(link, decision.tags)
+                    failure = self._acknowledge_now(link, decision.tags, message)
                     if failure is None:
                         return
                 # Given up: if a reattach brings it again, it is delivered again.
@@ -210,31 +214,49 @@ class Consumer:
                     "not be sent; it may be delivered again",
                 )
 
-    def _acknowledge_now(self, link: Link, tags: tuple[str, ...]) -> HaFailoverError | None:
+    def _acknowledge_now(
+        self, link: Link, tags: tuple[str, ...], message: Message
+    ) -> HaFailoverError | None:
         """Under the lock: write the automatic acknowledges; the write's error, if any.
 
-        AUTO confirms each acknowledge before the next delivery (F6: only the last
-        delivered message may come again); DUPS_OK does not wait (F7)."""
+        AUTO confirms each acknowledge, before the next delivery unless the rules let it be
+        pipelined (F6: only the last delivered message may come again); DUPS_OK does not
+        wait (F7)."""
         session = self.session
         connection = session.connection
         confirm = session.ack_mode is AckMode.AUTO
+        pipelined = confirm and session.rules.pipelines(
+            sender_id=message._sender_id and message.message_id is not None,
+            block_on_acknowledge=connection.policy.block_on_acknowledge,
+        )
         for tag in tags:
             subscription = session._tag_subscriptions.pop(tag, self.subscription)
             token = None
             if confirm:
                 completion = SendCompletion(connection, None)
-                token = connection._call(CallKind.ACK, completion, session)
-                session._auto_ack = completion
+                token = connection._call(
+                    CallKind.ACK,
+                    completion,
+                    session,
+                    tag=tag,
+                    acked_id=(message.message_id or "") if pipelined else "",
+                )
+                session._auto_ack_written(completion, pipelined=pipelined)
             command_id = connection._window.next_id if link.windowed else -1
+            # With cumulative receipts a pipelined acknowledge asks for one only now and
+            # then: a later receipt confirms it too.
+            ask = connection._core.asks_receipt(
+                token, windowed=link.windowed, waited_for=not pipelined
+            )
             try:
-                link.acknowledge(subscription, tag, tx=None, token=token)
+                link.acknowledge(subscription, tag, tx=None, token=token if ask else None)
             except HaFailoverError as exc:
                 if token is not None:
                     connection._abandon(token, exc)
                     session._auto_ack = None  # reported here, not again by the next receive
                 connection._io_failed(link, exc)
                 return exc
-            connection._written(token, link, command_id, asked=True)
+            connection._written(token, link, command_id, asked=ask)
             self._seen.pop(tag, None)
         return None
 
@@ -251,15 +273,23 @@ class Consumer:
 
     def receive(self, timeout: float | None = None) -> Message | None:
         """The next message, waiting up to ``timeout`` seconds (None: forever); None when
-        none came. Waits through failover (F1)."""
+        none came, or when the previous AUTO acknowledge F6 needs confirmed first was not
+        confirmed in that time. Waits through failover (F1)."""
         self._check_receive()
         session = self.session
         connection = session.connection
         started = tracing.started()
         deadline = None if timeout is None else time.monotonic() + timeout
-        session._confirm_last_ack()
-        with connection._cond:
-            while (message := self._next()) is None:
+        while True:
+            # Outside the lock: it may wait for an acknowledge (F6), or raise its failure.
+            if not session._confirm_last_ack(deadline):
+                return None
+            with connection._cond:
+                if session._ack_blocking() is not None:
+                    continue  # a failover ended the last acknowledge while we waited
+                message = self._next()
+                if message is not None:
+                    break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
@@ -269,15 +299,18 @@ class Consumer:
 
     def _receive_now(self) -> Message | None:
         """The next message if one can be handed out without waiting, else None; raises
-        WouldBlock while the previous AUTO acknowledge is unconfirmed (F6), with it."""
+        WouldBlock, with it, while an AUTO acknowledge must be confirmed first (F6)."""
         self._check_receive()
         session = self.session
         started = tracing.started()
-        last_ack = session._auto_ack
-        if last_ack is not None and not last_ack.done():
-            raise WouldBlock(last_ack)
+        with session.connection._cond:
+            blocking = session._ack_blocking()
+        if blocking is not None and not blocking.done():
+            raise WouldBlock(blocking)
         session._confirm_last_ack()  # done: raises what it failed with, if it did
         with session.connection._cond:
+            if session._ack_blocking() is not None:
+                return None  # ended while we looked: the next call confirms it
             message = self._next()
         if message is not None:
             self._hand_out(message, started)

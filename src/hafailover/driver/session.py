@@ -9,14 +9,17 @@ wait for the broker.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hafailover._links import Link
 from hafailover.ack_modes import (
+    PIPELINED_ACKS,
     AckAction,
     AckDecision,
     AckMode,
@@ -82,7 +85,11 @@ class Session(Transactions):
         self._closed = False
         self._dispatcher: threading.Thread | None = None
         self._browsers: list[Browser] = []
-        self._auto_ack: SendCompletion | None = None  # AUTO: the last acknowledge, in flight
+        # AUTO (F6): the last message's acknowledge, in flight, and whether the next message
+        # may be handed out before it is confirmed; earlier pipelined ones still in flight.
+        self._auto_ack: SendCompletion | None = None
+        self._auto_ack_pipelined = False
+        self._auto_acks: collections.deque[SendCompletion] = collections.deque()
         self._tx_sends: list[SendCompletion] = []  # AMQP: transactional transfers unsettled
         self._commit_link = 0  # serial of the link a running commit() belongs to
 
@@ -339,6 +346,9 @@ class Session(Transactions):
         else:
             self._tx = None
             self._tx_sends = []
+            # Pipelined acknowledges the reconnect lost: their messages' redeliveries are
+            # the rules' to drop (outcome.expect_again); nothing waits for them any more.
+            self._auto_acks.clear()
             self._dedup_pending.clear()  # deliveries of the old session: never acknowledged
             for consumer in self._consumers.values():
                 consumer._held_ids.clear()
@@ -372,6 +382,8 @@ class Session(Transactions):
                 while item is None:
                     if self._closed:
                         return
+                    if self._ack_blocking() is not None:
+                        break  # an acknowledge to confirm first (F6), outside the lock
                     if connection._started and connection._machine.is_up:
                         for consumer in self._consumers.values():
                             if consumer._listener is not None and consumer._buffer:
@@ -385,6 +397,8 @@ class Session(Transactions):
                 self._confirm_last_ack()
             except HaFailoverError as exc:
                 connection._notify_all(None, exc)
+            if item is None:
+                continue
             consumer, message = item
             listener = consumer._listener
             assert message is not None
@@ -399,18 +413,57 @@ class Session(Transactions):
             except HaFailoverError as exc:
                 connection._notify_all(None, exc)  # F6: a listener's ack failure is reported
 
-    def _confirm_last_ack(self) -> None:
-        """AUTO: the previous delivery's acknowledge must be confirmed before the next one."""
-        completion, self._auto_ack = self._auto_ack, None
-        if completion is None:
-            return
-        try:
-            completion.result()
-        except (UnblockedError, NotConnectedError, CallTimeoutError) as exc:
-            raise AcknowledgeFailedError(
-                f"the acknowledge of the previous message was not confirmed ({exc}); "
-                "that message may be delivered again"
-            ) from exc
+    def _auto_ack_written(self, completion: SendCompletion, *, pipelined: bool) -> None:
+        """Under the lock: the acknowledge of the message being handed out is written."""
+        previous = self._auto_ack
+        if previous is not None and not previous.done():
+            self._auto_acks.append(previous)  # pipelined: no longer the last message's
+        self._auto_ack = completion
+        self._auto_ack_pipelined = pipelined
+
+    def _ack_blocking(self) -> SendCompletion | None:
+        """Under the lock, AUTO (F6): the acknowledge that must be confirmed before the
+        next message is handed out, if any: the last one unless it is pipelined (or it
+        ended: its outcome is reported first), else the oldest once PIPELINED_ACKS wait."""
+        pending = self._auto_acks
+        while pending and pending[0].done():
+            pending.popleft()
+        if len(pending) >= PIPELINED_ACKS:
+            return pending[0]
+        last = self._auto_ack
+        if last is not None and (not self._auto_ack_pipelined or last.done()):
+            return last
+        return None
+
+    def _confirm_last_ack(self, deadline: float | None = None) -> bool:
+        """AUTO: wait for the acknowledges F6 needs confirmed before the next delivery;
+        raises AcknowledgeFailed when the last message's was not (it may come again).
+        With a ``deadline`` (a receive's timeout), False if one is still unconfirmed then;
+        without one, each waits up to the call timeout."""
+        connection = self.connection
+        while True:
+            with connection._cond:
+                completion = self._ack_blocking()
+                if completion is None:
+                    return True
+                while deadline is not None and not completion.done():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    connection._ask_for_receipt()  # a pipelined one may not have asked
+                    connection._cond.wait(remaining)
+                last = completion is self._auto_ack
+                if last:
+                    self._auto_ack = None
+            try:
+                completion.result()
+            except (UnblockedError, NotConnectedError, CallTimeoutError) as exc:
+                if not last:
+                    continue  # an earlier pipelined one: the failover's outcome covers it
+                raise AcknowledgeFailedError(
+                    f"the acknowledge of the previous message was not confirmed ({exc}); "
+                    "that message may be delivered again"
+                ) from exc
 
     def _join(self) -> None:
         thread = self._dispatcher

@@ -1,0 +1,263 @@
+"""F6 with pipelined AUTO acknowledges, against the scripted broker: the next message is
+handed out before the previous acknowledge is confirmed only when a redelivery of the
+previous one can be told by its sender's id; after a reconnect that lost such acknowledges,
+the application sees at most the last message it had again. Milliseconds, no real broker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hafailover
+from hafailover import AckMode, AcknowledgeFailedError, Message
+from hafailover.driver import session as session_module
+
+from .fake import FakeBroker, link_factory
+
+pytestmark = pytest.mark.timeout(60)
+
+URL = (
+    "failover:(stomp://app:pw@live:61613,stomp://app:pw@backup:61613)"
+    "?heartbeat=250ms&retry_interval=5ms&max_retry_interval=20ms&call_timeout=5s"
+)
+
+
+@pytest.fixture
+def broker() -> Iterator[FakeBroker]:
+    started = FakeBroker(duplicate_detection=False)
+    started.start()
+    yield started
+    started.stop()
+
+
+def put(broker: FakeBroker, count: int, *, ids: bool = True, first: int = 0) -> None:
+    with broker.lock:
+        broker.queues["orders"].extend(
+            Message(str(n), message_id=f"m{n}" if ids else None) for n in range(first, count)
+        )
+
+
+def buffered(consumer: hafailover.Consumer, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while len(consumer._buffer) < count:
+        assert time.monotonic() < deadline, "nothing was delivered"
+        time.sleep(0.002)
+
+
+def test_a_message_with_its_senders_id_does_not_wait_for_the_previous_acknowledge(
+    broker: FakeBroker,
+) -> None:
+    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, 3)
+        buffered(consumer, 3)
+        with broker.paused():  # nothing is read: no acknowledge is confirmed
+            got = [consumer.receive(1) for _ in range(3)]
+            assert [m.text for m in got if m is not None] == ["0", "1", "2"]
+        deadline = time.monotonic() + 5
+        while any(s.unacked for s in broker.sessions.values()):
+            assert time.monotonic() < deadline, "the acknowledges never arrived"
+            time.sleep(0.002)
+
+
+@pytest.mark.parametrize("why", ["no sender id", "block_on_acknowledge"])
+def test_otherwise_the_next_message_waits_for_the_previous_acknowledge(
+    broker: FakeBroker, why: str
+) -> None:
+    url = URL + ("&block_on_acknowledge=true" if why == "block_on_acknowledge" else "")
+    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, 2, ids=why != "no sender id")
+        buffered(consumer, 2)
+        with broker.paused():
+            first = consumer.receive(1)
+            assert first is not None and first.text == "0"
+            assert consumer.receive(0.2) is None  # unconfirmed: F6 holds it back
+        second = consumer.receive(5)
+        assert second is not None and second.text == "1"
+
+
+def test_at_most_pipelined_acks_wait_at_once(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_module, "PIPELINED_ACKS", 3)
+    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, 6)
+        buffered(consumer, 6)
+        with broker.paused():
+            # The last one's acknowledge and three before it: the fifth must wait.
+            got = [consumer.receive(1) for _ in range(4)]
+            assert [m.text for m in got if m is not None] == ["0", "1", "2", "3"]
+            assert consumer.receive(0.2) is None
+        fifth = consumer.receive(5)
+        assert fifth is not None and fifth.text == "4"
+
+
+def test_a_reconnect_gives_the_application_at_most_the_last_message_again(
+    broker: FakeBroker,
+) -> None:
+    """The broker read none of five pipelined acknowledges; the new session gets all five
+    again. Only the last one handed out is delivered (after receive() says so), the four
+    before it are acknowledged and dropped."""
+    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, 5)
+        buffered(consumer, 5)
+        with broker.paused():
+            got = [consumer.receive(1) for _ in range(5)]
+            assert all(m is not None for m in got)
+            broker.answers.append("fresh")
+            for thread in broker.current().lose(noticed_by=("reader",)):
+                thread.join(5)
+        with pytest.raises(AcknowledgeFailedError):
+            consumer.receive(5)
+        again = consumer.receive(5)
+        assert again is not None and again.text == "4"
+        assert consumer.receive(0.3) is None
+        assert consumer.duplicates_dropped == 4
+        assert broker.violations == []
+        with broker.lock:
+            assert not broker.queues["orders"]
+            assert all(not s.unacked for s in broker.sessions.values())
+
+
+def test_a_reattach_replays_the_pipelined_acknowledges(broker: FakeBroker) -> None:
+    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, 5)
+        buffered(consumer, 5)
+        with broker.paused():
+            got = [consumer.receive(1) for _ in range(5)]
+            assert all(m is not None for m in got)
+            for thread in broker.current().lose(noticed_by=("reader",)):
+                thread.join(5)
+        assert consumer.receive(0.3) is None  # nothing comes again, nothing raises
+        assert connection.statistics().reattached == 1
+        assert broker.violations == []
+        with broker.lock:
+            assert all(not s.unacked for s in broker.sessions.values())
+
+
+def test_a_listener_is_not_given_a_message_whose_pipelined_acknowledge_was_lost(
+    broker: FakeBroker,
+) -> None:
+    heard: list[hafailover.HaFailoverError] = []
+    got: list[str] = []
+    done = threading.Event()
+    with hafailover.connect(
+        URL, link_factory=link_factory(broker), exception_listener=heard.append
+    ) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+
+        def listener(message: Message) -> None:
+            got.append(message.text)
+            if len(got) == 5:
+                done.set()
+
+        with broker.paused():
+            put(broker, 5)
+            broker.push(broker.current())
+            consumer.set_message_listener(listener)
+            connection.start()
+            assert done.wait(5)
+            broker.answers.append("fresh")
+            for thread in broker.current().lose(noticed_by=("reader",)):
+                thread.join(5)
+        deadline = time.monotonic() + 5
+        while connection.statistics().failovers == 0:
+            assert time.monotonic() < deadline, "no failover"
+            time.sleep(0.002)
+        time.sleep(0.3)
+        assert sorted(got[5:]) in ([], ["4"]), got  # at most the last one again
+        assert got[:5] == ["0", "1", "2", "3", "4"]
+        assert broker.violations == []
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(min_value=0, max_value=6),  # messages received before the loss
+            st.sampled_from(["reattach", "fresh"]),
+            st.sampled_from(
+                [("reader",), ("heartbeat",), ("writer", "reader"), ("reader", "heartbeat")]
+            ),
+            st.integers(min_value=0, max_value=6),  # of them, read by the broker first
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    ids=st.booleans(),
+)
+def test_f6_holds_under_any_losses(
+    steps: list[tuple[int, str, tuple[str, ...], int]], ids: bool
+) -> None:
+    """Any receives interleaved with losses noticed in any way, reattached or reconnected,
+    with part of the acknowledges read before the loss: every message is received, and a
+    message comes again only if it was the last one handed out before a loss."""
+    broker = FakeBroker(duplicate_detection=False)
+    broker.start()
+    total = 40
+    try:
+        with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
+            session = connection.create_session(AckMode.AUTO)
+            consumer = session.create_consumer("queue://orders")
+            connection.start()
+            put(broker, total, ids=ids)
+            got: list[str] = []
+            allowed_again: set[str] = set()
+            for count, answer, noticed_by, read in steps:
+                deadline = time.monotonic() + 2
+                while len(consumer._buffer) < count and time.monotonic() < deadline:
+                    time.sleep(0.002)  # prefetched, so that the receives do not wait
+                with broker.paused():
+                    for _ in range(count):
+                        try:
+                            message = consumer.receive(0.2)
+                        except AcknowledgeFailedError:
+                            continue
+                        if message is None:
+                            break
+                        got.append(message.text)
+                    if got:
+                        allowed_again.add(got[-1])
+                    link = broker.current()
+                    link.deliver(read)
+                    broker.answers.append(answer)
+                    before = connection.statistics().failovers
+                    for thread in link.lose(noticed_by=noticed_by):
+                        thread.join(5)
+                deadline = time.monotonic() + 5
+                while connection.statistics().failovers == before:
+                    assert time.monotonic() < deadline, "no failover"
+                    time.sleep(0.002)
+            while True:
+                try:
+                    message = consumer.receive(0.5)
+                except AcknowledgeFailedError:
+                    continue
+                if message is None:
+                    break
+                got.append(message.text)
+            assert sorted(set(got), key=int) == [str(n) for n in range(total)]
+            again = [text for text in set(got) if got.count(text) > 1]
+            assert set(again) <= allowed_again, (again, allowed_again, got)
+            assert all(got.count(text) <= 1 + len(steps) for text in again)
+            assert broker.violations == []
+    finally:
+        broker.stop()
