@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import proton
 import stomp
@@ -311,13 +311,22 @@ def proton_receive(port: int, queue: str, count: int, prefetch: int) -> PathResu
 
 # --- main ------------------------------------------------------------------------------------
 
+SECTIONS: Final = ("sync", "pipelined", "commit", "receive")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer messages and one run")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--repeats", type=int, help="alternated runs, best kept (3)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=SECTIONS,
+        help="measure only this section (may be given more than once; default: all)",
+    )
     args = parser.parse_args()
+    only = set(args.only or SECTIONS)
     repeats = args.repeats or (1 if args.quick else 3)
     sync_count = 200 if args.quick else 1000
     pipelined_count = 2000 if args.quick else 10_000
@@ -353,7 +362,8 @@ def main() -> None:
         stomp_url, amqp_url = pair.stomp_url, pair.amqp_url
         sp, ap = live.stomp_port, live.amqp_port
         # 1. synchronous confirmed sends
-        for protocol, url in (("stomp", stomp_url), ("amqp", amqp_url)):
+        protocols = (("stomp", stomp_url), ("amqp", amqp_url))
+        for protocol, url in protocols if "sync" in only else ():
             raw: Callable[[], PathResult] = (
                 (lambda: stomp_sync(sp, sync_count))
                 if protocol == "stomp"
@@ -376,24 +386,25 @@ def main() -> None:
                 )
                 row(f"{protocol} {how}, one at a time", got["ours"], got["raw"], anchor, True)
         # 2. pipelined confirmed sends
-        got = best(
-            repeats,
-            {
-                "ours": lambda: send_pipelined(stomp_url, pipelined_count),
-                "raw": lambda: stomp_pipelined(sp, pipelined_count),
-            },
-        )
-        row("stomp pipelined confirmed", got["ours"], got["raw"], "stomp.py receipts")
-        got = best(
-            repeats,
-            {
-                "ours": lambda: send_pipelined(amqp_url, pipelined_count // 2),
-                "raw": lambda: proton_send(ap, pipelined_count // 2, pipelined=True),
-            },
-        )
-        row("amqp pipelined confirmed", got["ours"], got["raw"], "proton event-driven")
+        if "pipelined" in only:
+            got = best(
+                repeats,
+                {
+                    "ours": lambda: send_pipelined(stomp_url, pipelined_count),
+                    "raw": lambda: stomp_pipelined(sp, pipelined_count),
+                },
+            )
+            row("stomp pipelined confirmed", got["ours"], got["raw"], "stomp.py receipts")
+            got = best(
+                repeats,
+                {
+                    "ours": lambda: send_pipelined(amqp_url, pipelined_count // 2),
+                    "raw": lambda: proton_send(ap, pipelined_count // 2, pipelined=True),
+                },
+            )
+            row("amqp pipelined confirmed", got["ours"], got["raw"], "proton event-driven")
         # 3. transactions (raw: stomp.py; AMQP measured for hafailover alone)
-        for size in (1, 10, 100):
+        for size in (1, 10, 100) if "commit" in only else ():
             batches = max(5, (sync_count // 2) // size)
             got = best(
                 repeats,
@@ -424,10 +435,10 @@ def main() -> None:
                 True,
             )
         # 4. receives
-        for protocol, url in (("stomp", stomp_url), ("amqp", amqp_url)):
+        for protocol, url in protocols if "receive" in only else ():
             for prefetch in (100, 1000):
                 for mode in (AckMode.AUTO, AckMode.CLIENT, AckMode.DUPS_OK):
-                    count = receive_count if mode is not AckMode.AUTO else receive_count // 4
+                    count = receive_count
 
                     def ours_run(
                         u: str = url, m: AckMode = mode, c: int = count, f: int = prefetch
