@@ -154,11 +154,10 @@ def run_paths(url: str | FailoverPolicy, *, quick: bool = False) -> list[dict[st
         row(f"commit of {size}", transactions(url, max(5, one // 2 // size), size), latency=True)
     for prefetch in (100, 1000):
         for mode in _RECEIVE_MODES:
-            count = received if mode is not AckMode.AUTO else max(100, received // 4)
             queue = queue_name()
-            fill(url, queue, count)
+            fill(url, queue, received)
             row(
                 f"receive {mode.value}, prefetch {prefetch}",
-                receive(url, queue, count, mode, prefetch),
+                receive(url, queue, received, mode, prefetch),
             )
     return rows
