@@ -271,10 +271,17 @@ class AsyncConnection:
                     return attempt()
                 except WouldBlock as blocked:
                     if blocked.completion is not None:
-                        # What it waits for is one call: how that ended is for the next
-                        # attempt to say.
+                        # What it waits for is one call, up to the deadline: how that ended
+                        # is for the next attempt to say.
+                        future = self._future_of(blocked.completion)
+                        left = None if deadline is None else deadline - self.loop.time()
+                        if left is not None and left <= 0:
+                            raise TimeoutError from None
+                        finished, _ = await asyncio.wait({future}, timeout=left)
+                        if not finished:
+                            raise TimeoutError from None
                         with contextlib.suppress(HaFailoverError):
-                            await self._future_of(blocked.completion)
+                            future.result()
                         continue
                 remaining = None if deadline is None else deadline - self.loop.time()
                 if remaining is not None and remaining <= 0:

@@ -94,7 +94,7 @@ class Call:
     resendable: bool = False  # a send stamped with a duplicate id (F13)
     size: int = 0  # bytes held against the window of a link without one
     message_id: str = ""
-    subscription: str = ""  # SUBSCRIBE: the consumer's subscription
+    subscription: str = ""  # SUBSCRIBE, ACK: the consumer's subscription
     tag: str = ""  # ACK: the delivery acknowledged
     link: int = 0  # serial of the link it was written on; 0 before it was
     command_id: int = -1  # its id in the confirmation window; -1 without one
@@ -370,10 +370,11 @@ class SessionsCore:
         unblock: list[int] = []
         resent: dict[int, list[str]] = {}
         in_doubt: dict[int, list[str]] = {}
-        lost_acks: dict[int, list[tuple[str, str]]] = {}
+        lost_acks: dict[int, list[tuple[str, str, str]]] = {}
         for token, call in sorted(self.calls.items()):
             if call.kind is CallKind.ACK and call.session_id is not None:
-                lost_acks.setdefault(call.session_id, []).append((call.tag, call.message_id))
+                lost = (call.subscription, call.tag, call.message_id)
+                lost_acks.setdefault(call.session_id, []).append(lost)
             if call.kind is CallKind.SEND and call.resendable:
                 resend.append(token)
                 call.cumulative = False
@@ -412,7 +413,7 @@ class SessionsCore:
         replayed: tuple[int, ...],
         resent: Mapping[int, list[str]],
         in_doubt: Mapping[int, list[str]],
-        lost_acks: Mapping[int, list[tuple[str, str]]] | None = None,
+        lost_acks: Mapping[int, list[tuple[str, str, str]]] | None = None,
     ) -> tuple[dict[int, FailoverOutcome], tuple[SessionFailover, ...]]:
         """Every session's rules (F6-F9): their outcomes, and the report's parts (the
         replayed ids, which the window does not tell apart by session, go to the first)."""

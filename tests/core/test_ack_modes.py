@@ -10,7 +10,9 @@ from hafailover.ack_modes import (
     PIPELINED_ACKS,
     AckAction,
     AckMode,
+    AutoAckRules,
     ClientAckRules,
+    ConfirmFirst,
     LinkReliability,
     TransactedAckRules,
     check_link_reliability,
@@ -50,22 +52,59 @@ def test_f6_a_reconnect_expects_again_what_was_handed_out_before_the_last() -> N
     rules = rules_for(AckMode.AUTO, 1)
     for tag in ("t1", "t2", "t3"):
         rules.delivered(tag)
-    lost = (("t1", "m1"), ("t2", ""), ("t3", "m3"))  # t2's sender gave no id
+    lost = (("s", "t1", "m1"), ("s", "t2", ""), ("s", "t3", "m3"))  # t2: no sender id
     outcome = rules.failover(reattached=False, lost_acks=lost)
-    assert outcome.expect_again == frozenset({"m1"})  # t3 was the last: it may come again
-    assert rules.redelivery_expected("m1")
-    assert not rules.redelivery_expected("m1")  # once
-    assert not rules.redelivery_expected("m3")
-    assert not rules.redelivery_expected(None)
+    assert outcome.expect_again == frozenset({("s", "m1")})  # t3 was the last: may come
+    assert rules.redelivery_expected("s", "m1")
+    # Still expected: the acknowledge that drops it may be lost to another reconnect.
+    assert rules.redelivery_expected("s", "m1")
+    assert not rules.redelivery_expected("other subscription", "m1")  # another's copy
+    assert not rules.redelivery_expected("s", "m3")
+    assert not rules.redelivery_expected("s", None)
 
 
 def test_f6_a_reattach_expects_nothing_again() -> None:
     rules = rules_for(AckMode.AUTO, 1)
     rules.delivered("t1")
     rules.delivered("t2")
-    outcome = rules.failover(reattached=True, lost_acks=(("t1", "m1"),))
+    outcome = rules.failover(reattached=True, lost_acks=(("s", "t1", "m1"),))
     assert outcome.expect_again == frozenset()
-    assert not rules.redelivery_expected("m1")
+    assert not rules.redelivery_expected("s", "m1")
+
+
+def test_f6_what_waits_for_an_acknowledge() -> None:
+    confirm_first = AutoAckRules.confirm_first
+    # Not pipelined: the next message waits for it; pipelined: only once it ended (to
+    # report how), or once PIPELINED_ACKS are in flight.
+    assert confirm_first(last_pipelined=False, last_done=False, in_flight=0) is ConfirmFirst.LAST
+    assert confirm_first(last_pipelined=True, last_done=False, in_flight=0) is ConfirmFirst.NONE
+    assert confirm_first(last_pipelined=True, last_done=True, in_flight=3) is ConfirmFirst.LAST
+    assert (
+        confirm_first(last_pipelined=True, last_done=False, in_flight=PIPELINED_ACKS)
+        is ConfirmFirst.OLDEST
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "last", "action", "reported"),
+    [
+        (ErrorCode.UNBLOCKED, True, AckAction.RAISE, ErrorCode.ACKNOWLEDGE_FAILED),
+        (ErrorCode.CONNECTION_TIMEDOUT, True, AckAction.RAISE, ErrorCode.ACKNOWLEDGE_FAILED),
+        (ErrorCode.PROTOCOL, True, AckAction.RAISE, ErrorCode.PROTOCOL),
+        # An earlier one cut by the failover is the failover's (replayed, or dropped again).
+        (ErrorCode.UNBLOCKED, False, AckAction.NOTHING, None),
+        (ErrorCode.NOT_CONNECTED, False, AckAction.NOTHING, None),
+        # Anything else: that message may come again, and the application hears it.
+        (ErrorCode.CONNECTION_TIMEDOUT, False, AckAction.RAISE, ErrorCode.ACKNOWLEDGE_FAILED),
+        (ErrorCode.PROTOCOL, False, AckAction.RAISE, ErrorCode.ACKNOWLEDGE_FAILED),
+    ],
+)
+def test_f6_a_failed_acknowledge_is_reported_unless_the_failover_covers_it(
+    code: ErrorCode, last: bool, action: AckAction, reported: ErrorCode | None
+) -> None:
+    decision = AutoAckRules.ack_failed(code, last=last)
+    assert decision.action is action
+    assert decision.code is reported
 
 
 @given(st.lists(st.integers(min_value=0, max_value=5000), max_size=40))
@@ -77,11 +116,11 @@ def test_f6_the_expected_redeliveries_stay_bounded(sizes: list[int]) -> None:
         for _ in range(size):
             serial += 1
             rules.delivered(f"t{serial}")
-            lost.append((f"t{serial}", f"m{serial}"))
+            lost.append(("s", f"t{serial}", f"m{serial}"))
         rules.failover(reattached=False, lost_acks=tuple(lost))
         assert len(rules._expected) <= 4 * PIPELINED_ACKS  # type: ignore[attr-defined]
     if sizes and sizes[-1] >= 2:
-        assert rules.redelivery_expected(f"m{serial - 1}")  # the newest are kept
+        assert rules.redelivery_expected("s", f"m{serial - 1}")  # the newest are kept
 
 
 def test_f7_dups_ok_drops_stale_acks_silently() -> None:

@@ -131,6 +131,14 @@ class FakeBroker:
             if held is not None and self.windowed:
                 link.session = held
                 resumed, last = True, held.last_received
+                # As the bundled broker does: what the session had not had acknowledged
+                # goes out again at once, under the same tags.
+                for tag, (queue, message) in held.unacked.items():
+                    for subscription, subscribed in held.subscriptions.items():
+                        if subscribed == queue:
+                            again = self._delivered(message, redelivered=True)
+                            link.deliveries.append((subscription, tag, again))
+                            break
             else:
                 link.session = ServerSession(f"s{next(self._session_ids)}")
                 self.sessions[link.session.session_id] = link.session
@@ -227,16 +235,21 @@ class FakeBroker:
                     tag = f"{link.serial}-{next(self._tags)}"
                     session.unacked[tag] = (queue, message)
                     session.delivered.add(tag)
-                    delivered = attrs.evolve(
-                        message,
-                        delivery=None,
-                        acknowledger=None,
-                        sender_id=message.message_id is not None,
-                    )
+                    delivered = self._delivered(message)
                     link.deliveries.append((subscription, tag, delivered))
                     pushed += 1
         link.flush_deliveries()
         return pushed
+
+    @staticmethod
+    def _delivered(message: Message, *, redelivered: bool = False) -> Message:
+        return attrs.evolve(
+            message,
+            delivery=None,
+            acknowledger=None,
+            redelivered=redelivered,
+            sender_id=message.message_id is not None,
+        )
 
     def current(self) -> FakeLink:
         with self.lock:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import hafailover
 from hafailover import AckMode, AcknowledgeFailedError, Message
-from hafailover.driver import session as session_module
+from hafailover.ack_modes import auto as auto_rules
 
 from .fake import FakeBroker, link_factory
 
@@ -87,7 +87,7 @@ def test_otherwise_the_next_message_waits_for_the_previous_acknowledge(
 def test_at_most_pipelined_acks_wait_at_once(
     broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(session_module, "PIPELINED_ACKS", 3)
+    monkeypatch.setattr(auto_rules, "PIPELINED_ACKS", 3)
     with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
         consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
         connection.start()
@@ -131,7 +131,11 @@ def test_a_reconnect_gives_the_application_at_most_the_last_message_again(
             assert all(not s.unacked for s in broker.sessions.values())
 
 
-def test_a_reattach_replays_the_pipelined_acknowledges(broker: FakeBroker) -> None:
+@pytest.mark.parametrize("read", [0, 2, 5])
+def test_a_reattach_replays_the_pipelined_acknowledges(broker: FakeBroker, read: int) -> None:
+    """The server read ``read`` of five acknowledges before the loss and sends the rest of
+    the five messages again as the session is reattached (the bundled broker does): the
+    replayed acknowledges settle them, and none is handed out again or acknowledged twice."""
     with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
         consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
         connection.start()
@@ -140,7 +144,9 @@ def test_a_reattach_replays_the_pipelined_acknowledges(broker: FakeBroker) -> No
         with broker.paused():
             got = [consumer.receive(1) for _ in range(5)]
             assert all(m is not None for m in got)
-            for thread in broker.current().lose(noticed_by=("reader",)):
+            link = broker.current()
+            link.deliver(read)
+            for thread in link.lose(noticed_by=("reader",)):
                 thread.join(5)
         assert consumer.receive(0.3) is None  # nothing comes again, nothing raises
         assert connection.statistics().reattached == 1
@@ -261,3 +267,148 @@ def test_f6_holds_under_any_losses(
             assert broker.violations == []
     finally:
         broker.stop()
+
+
+def test_two_reconnects_in_a_row_still_drop_what_was_handed_out(broker: FakeBroker) -> None:
+    """The acknowledges that drop the redeliveries after a first reconnect are lost to a
+    second one: the broker delivers those messages once more, and they are dropped again."""
+    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, 5)
+        buffered(consumer, 5)
+        got: list[str] = []
+        failures = 0
+        for round_ in range(2):
+            with broker.paused():
+                while (message := receive_or_count(consumer)) is not None:
+                    if message == "failed":
+                        failures += 1
+                        continue
+                    got.append(message.text)
+                broker.answers.append("fresh")
+                for thread in broker.current().lose(noticed_by=("reader",)):
+                    thread.join(5)
+            wait_for_failovers(connection, round_ + 1)
+        while (message := receive_or_count(consumer)) is not None:
+            if message == "failed":
+                failures += 1
+                continue
+            got.append(message.text)
+        assert sorted(set(got)) == ["0", "1", "2", "3", "4"]
+        again = [text for text in set(got) if got.count(text) > 1]
+        assert again in ([], ["4"]), got  # only the last one handed out, "4", comes again
+        assert failures == 2  # once per failover: the last message's acknowledge
+        assert broker.violations == []
+
+
+def test_a_copy_with_the_same_id_on_another_subscription_is_delivered(
+    broker: FakeBroker,
+) -> None:
+    """The same sender's id on two queues, consumed by one session: the copy on the other
+    queue is a message of its own, not the redelivery a reconnect made the session drop."""
+    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
+        session = connection.create_session(AckMode.AUTO)
+        first = session.create_consumer("queue://orders")
+        second = session.create_consumer("queue://audit")
+        connection.start()
+        with broker.lock:
+            broker.queues["orders"].extend([Message("x", message_id="x"), Message("y")])
+            broker.queues["audit"].append(Message("x, audit copy", message_id="x"))
+        buffered(first, 2)
+        buffered(second, 1)
+        with broker.paused():
+            taken = first.receive(1)
+            assert taken is not None and taken.text == "x"
+            # "y" has no sender's id: its acknowledge is the last, confirmed before more.
+            taken = first.receive(1)
+            assert taken is not None and taken.text == "y"
+            broker.answers.append("fresh")
+            for thread in broker.current().lose(noticed_by=("reader",)):
+                thread.join(5)
+        wait_for_failovers(connection, 1)
+        with pytest.raises(AcknowledgeFailedError):  # "y"'s, the last handed out
+            second.receive(5)
+        copy = second.receive(5)
+        assert copy is not None and copy.text == "x, audit copy"
+        again = [m.text for m in iter(lambda: first.receive(0.3), None)]
+        assert again in ([], ["y"])  # "x" was dropped
+
+
+def test_one_report_when_the_message_being_handed_out_is_caught_by_a_reconnect(
+    broker: FakeBroker,
+) -> None:
+    """A listener is running on the second message when a reconnect loses both
+    acknowledges: the exception listener hears AcknowledgeFailed once (for the second),
+    the first is dropped when it comes again, the second may be delivered again."""
+    heard: list[hafailover.HaFailoverError] = []
+    got: list[str] = []
+    running = threading.Event()
+    release = threading.Event()
+
+    def listener(message: Message) -> None:
+        got.append(message.text)
+        if message.text == "1" and not running.is_set():
+            running.set()
+            release.wait(5)
+
+    with hafailover.connect(
+        URL, link_factory=link_factory(broker), exception_listener=heard.append
+    ) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        with broker.paused():
+            put(broker, 2)
+            broker.push(broker.current())
+            consumer.set_message_listener(listener)
+            connection.start()
+            assert running.wait(5)
+            broker.answers.append("fresh")
+            for thread in broker.current().lose(noticed_by=("reader",)):
+                thread.join(5)
+        wait_for_failovers(connection, 1)
+        release.set()
+        time.sleep(0.5)
+        failures = [h for h in heard if isinstance(h, AcknowledgeFailedError)]
+        assert len(failures) == 1, heard
+        assert got.count("0") == 1 and got.count("1") in (1, 2), got
+
+
+def test_an_unanswered_acknowledge_in_flight_is_reported_not_waited_for_forever(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the most acknowledges in flight and a broker that answers none of them, the
+    next receive waits the call timeout for the oldest, then says that message may come
+    again, and goes on."""
+    monkeypatch.setattr(auto_rules, "PIPELINED_ACKS", 2)
+    url = URL.replace("call_timeout=5s", "call_timeout=300ms")
+    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, 4)
+        buffered(consumer, 4)
+        with broker.paused():
+            assert [m.text for m in (consumer.receive(1) for _ in range(3)) if m] == [
+                "0",
+                "1",
+                "2",
+            ]
+            started = time.monotonic()
+            with pytest.raises(AcknowledgeFailedError, match="an earlier message"):
+                consumer.receive()
+            assert time.monotonic() - started < 3
+        fourth = consumer.receive(5)
+        assert fourth is not None and fourth.text == "3"
+
+
+def receive_or_count(consumer: hafailover.Consumer) -> Message | str | None:
+    try:
+        return consumer.receive(0.3)
+    except AcknowledgeFailedError:
+        return "failed"
+
+
+def wait_for_failovers(connection: hafailover.Connection, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while connection.statistics().failovers < count:
+        assert time.monotonic() < deadline, "no failover"
+        time.sleep(0.002)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from hafailover.ack_modes.auto import (
     PIPELINED_ACKS,
     AutoAckRules,
+    ConfirmFirst,
     DupsOkAckRules,
     NoAckRules,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "AutoAckRules",
     "ClientAckRules",
     "ClientIndividualAckRules",
+    "ConfirmFirst",
     "Delivery",
     "DupsOkAckRules",
     "FailoverOutcome",

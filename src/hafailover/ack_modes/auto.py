@@ -20,6 +20,7 @@ At most ``PIPELINED_ACKS`` acknowledges of a session wait for confirmation at on
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar, Final
 
 import attrs
@@ -34,12 +35,20 @@ from hafailover.ack_modes.base import (
 from hafailover.ack_modes.modes import AckMode
 from hafailover.errors import ErrorCode
 
-__all__ = ["PIPELINED_ACKS", "AutoAckRules", "DupsOkAckRules", "NoAckRules"]
+__all__ = ["PIPELINED_ACKS", "AutoAckRules", "ConfirmFirst", "DupsOkAckRules", "NoAckRules"]
 
 # At most this many AUTO acknowledges of one session wait for confirmation at once.
 PIPELINED_ACKS: Final = 256
 # Ids of redeliveries still expected, kept over several reconnects, at most this many.
 _EXPECTED_AT_MOST: Final = 4 * PIPELINED_ACKS
+
+
+class ConfirmFirst(enum.Enum):
+    """Which AUTO acknowledge must be confirmed before the next message is handed out."""
+
+    NONE = "none"
+    LAST = "the last message's"
+    OLDEST = "the oldest in flight"
 
 
 class AutoAckRules(AckRules):
@@ -48,7 +57,9 @@ class AutoAckRules(AckRules):
     def __init__(self, session_id: int) -> None:
         super().__init__(session_id)
         self._last_tag: str | None = None  # the delivery handed out last
-        self._expected: dict[str, None] = {}  # ids of redeliveries to drop, oldest first
+        # Redeliveries to drop, by (subscription, sender's id), oldest first. Kept when one
+        # comes (the acknowledge that drops it may be lost to a later reconnect too).
+        self._expected: dict[tuple[str, str], None] = {}
 
     def delivered(self, tag: str) -> Delivery:
         self._last_tag = tag
@@ -61,27 +72,55 @@ class AutoAckRules(AckRules):
         (``sender_id``) and dropped, and the application did not ask to block."""
         return sender_id and not block_on_acknowledge
 
+    @staticmethod
+    def confirm_first(*, last_pipelined: bool, last_done: bool, in_flight: int) -> ConfirmFirst:
+        """F6: which acknowledge must be confirmed (or its failure reported) before the next
+        message is handed out: the last message's unless it is pipelined and still in
+        flight; else the oldest in flight once PIPELINED_ACKS wait."""
+        if in_flight >= PIPELINED_ACKS:
+            return ConfirmFirst.OLDEST
+        if not last_pipelined or last_done:
+            return ConfirmFirst.LAST
+        return ConfirmFirst.NONE
+
+    @staticmethod
+    def ack_failed(code: ErrorCode | None, *, last: bool) -> AckDecision:
+        """An acknowledge ended with an error (``code``): what the application hears.
+        The last message's, cut by a failover or unanswered, may come again: receive
+        raises (F6). An earlier, pipelined one cut by a failover is the failover's: a
+        reattach replayed it, a reconnect made its redelivery one to drop. Any other
+        failure of an earlier one means that message may come again: reported too."""
+        cut = code in (ErrorCode.UNBLOCKED, ErrorCode.NOT_CONNECTED)
+        if last and (cut or code is ErrorCode.CONNECTION_TIMEDOUT):
+            return AckDecision(AckAction.RAISE, code=ErrorCode.ACKNOWLEDGE_FAILED)
+        if last:
+            return AckDecision(AckAction.RAISE, code=code)  # the broker's own refusal
+        if cut:
+            return AckDecision(AckAction.NOTHING)
+        return AckDecision(AckAction.RAISE, code=ErrorCode.ACKNOWLEDGE_FAILED)
+
     def failover(
-        self, *, reattached: bool, lost_acks: tuple[tuple[str, str], ...] = ()
+        self, *, reattached: bool, lost_acks: tuple[tuple[str, str, str], ...] = ()
     ) -> FailoverOutcome:
         outcome = super().failover(reattached=reattached)
         if reattached:
             return outcome  # unconfirmed acknowledges are replayed from the window
         # F6: the last message handed out may come again (its receive raises); the ones
         # before it, whose acknowledges were pipelined, must not.
-        again = [mid for tag, mid in lost_acks if mid and tag != self._last_tag]
+        again = [
+            (subscription, message_id)
+            for subscription, tag, message_id in lost_acks
+            if message_id and tag != self._last_tag
+        ]
         expected = self._expected
-        for message_id in again:
-            expected[message_id] = None
+        for key in again:
+            expected[key] = None
         while len(expected) > _EXPECTED_AT_MOST:
             del expected[next(iter(expected))]
         return attrs.evolve(outcome, expect_again=frozenset(again))
 
-    def redelivery_expected(self, message_id: str | None) -> bool:
-        if message_id is None or message_id not in self._expected:
-            return False
-        del self._expected[message_id]
-        return True
+    def redelivery_expected(self, subscription: str, message_id: str | None) -> bool:
+        return message_id is not None and (subscription, message_id) in self._expected
 
     def after_delivery(self, delivery: Delivery) -> AckDecision:
         if self.is_stale(delivery):

@@ -69,9 +69,10 @@ class FailoverOutcome:
     stale: tuple[str, ...]  # delivered, unacknowledged, now unacknowledgeable
     dirty: bool  # the session held unacknowledged messages (CLIENT) or work (TRANSACTED)
     discard_prefetched: bool = True  # prefetched messages are dropped: the broker resends
-    # AUTO (F6): ids of messages whose acknowledges the reconnect lost, handed out before
-    # the last one: a redelivery of one is acknowledged and dropped, not delivered again.
-    expect_again: frozenset[str] = frozenset()
+    # AUTO (F6): (subscription, sender's id) of messages handed out before the last one
+    # whose acknowledges the reconnect lost: a redelivery of one is acknowledged and
+    # dropped, not delivered again.
+    expect_again: frozenset[tuple[str, str]] = frozenset()
 
 
 class AckRules:
@@ -121,17 +122,18 @@ class AckRules:
         this one is confirmed (only AUTO confirms them)."""
         return False
 
-    def redelivery_expected(self, message_id: str | None) -> bool:
+    def redelivery_expected(self, subscription: str, message_id: str | None) -> bool:
         """A delivery after a reconnect: whether it is a message this session handed out
-        already (and must drop, acknowledging it). Forgets the id once it has come."""
+        already (and must drop, acknowledging it)."""
         return False
 
     def failover(
-        self, *, reattached: bool, lost_acks: tuple[tuple[str, str], ...] = ()
+        self, *, reattached: bool, lost_acks: tuple[tuple[str, str, str], ...] = ()
     ) -> FailoverOutcome:
         """The connection failed over; ``reattached`` when the broker kept the session.
-        ``lost_acks``: acknowledges a reconnect lost, in order, as (delivery tag, the
-        message's id when its sender gave it, else "")."""
+        ``lost_acks``: acknowledges a reconnect lost, in order, as (subscription, delivery
+        tag, the message's id when its sender gave it and the acknowledge was pipelined,
+        else "")."""
         if reattached:
             return FailoverOutcome(stale=(), dirty=False, discard_prefetched=False)
         self.generation += 1

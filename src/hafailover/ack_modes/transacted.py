@@ -40,7 +40,7 @@ class TransactedAckRules(AckRules):
         self,
         *,
         reattached: bool,
-        lost_acks: tuple[tuple[str, str], ...] = (),
+        lost_acks: tuple[tuple[str, str, str], ...] = (),
         lost_work: bool = False,
         commit_received: bool | None = None,
     ) -> FailoverOutcome:

@@ -100,7 +100,7 @@ def message_from_frame(headers: Mapping[str, str], body: bytes) -> Message:
         # The sender's id (its duplicate id) when it gave one: it stays the same when the
         # message is delivered again, by this broker or by another after a failover.
         message_id=headers.get(DUPLICATE_ID) or headers.get("message-id"),
-        sender_id=DUPLICATE_ID in headers,
+        sender_id=bool(headers.get(DUPLICATE_ID)),
         destination=_destination_or_none(destination),
         redelivered=headers.get("redelivered", "false") == "true",
         delivery_count=int(headers.get("hafailover-delivery-count", "0") or 0),

@@ -152,9 +152,11 @@ class Calls:
         commit: bool = False,
         tag: str = "",
         acked_id: str = "",
+        subscription: str = "",
     ) -> int:
         """Under the lock: register a call that waits for the broker; returns its token.
-        An acknowledge gives its delivery's ``tag`` and, when pipelined, ``acked_id``."""
+        An acknowledge gives its ``subscription``, its delivery's ``tag`` and, when
+        pipelined, ``acked_id``."""
         message = completion.message
         token = self._core.call(
             kind,
@@ -162,7 +164,7 @@ class Calls:
             resendable=resendable,
             size=size,
             message_id=message.ensure_message_id() if message is not None else acked_id,
-            subscription=consumer.subscription if consumer is not None else "",
+            subscription=consumer.subscription if consumer is not None else subscription,
             tag=tag,
             commit=commit,
         )

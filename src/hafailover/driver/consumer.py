@@ -146,7 +146,9 @@ class Consumer:
             generation, tag, message = self._buffer.popleft()
             if generation != rules.generation:
                 continue  # prefetched before a reconnect: the broker sends it again
-            if message._sender_id and rules.redelivery_expected(message.message_id):
+            if message._sender_id and rules.redelivery_expected(
+                self.subscription, message.message_id
+            ):
                 # F6: handed out before a reconnect lost its pipelined acknowledge.
                 self._drop_duplicate(tag)
                 continue
@@ -198,6 +200,7 @@ class Consumer:
                         return
                 # Given up: if a reattach brings it again, it is delivered again.
                 session._forget_seen(decision.tags)
+                session._auto_ack_superseded()
                 decision = session.rules.acknowledge_not_sent()
                 if decision.action is AckAction.RAISE:
                     why = f"({failure})" if failure is not None else "(failing over)"
@@ -208,6 +211,7 @@ class Consumer:
                 return
             if decision.action is AckAction.RAISE:
                 assert decision.code is not None
+                session._auto_ack_superseded()
                 raise error_for(
                     decision.code,
                     "the message was delivered before a failover and its acknowledge could "
@@ -240,6 +244,7 @@ class Consumer:
                     session,
                     tag=tag,
                     acked_id=(message.message_id or "") if pipelined else "",
+                    subscription=subscription,
                 )
                 session._auto_ack_written(completion, pipelined=pipelined)
             command_id = connection._window.next_id if link.windowed else -1
@@ -256,8 +261,9 @@ class Consumer:
                     session._auto_ack = None  # reported here, not again by the next receive
                 connection._io_failed(link, exc)
                 return exc
+            # The tag stays in _seen: a reattached server sends again what it had not had
+            # acknowledged, and the replayed acknowledge settles that copy.
             connection._written(token, link, command_id, asked=ask)
-            self._seen.pop(tag, None)
         return None
 
     def _drop_buffer(self, *, give_back: bool) -> None:

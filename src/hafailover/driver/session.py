@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from hafailover._links import Link
 from hafailover.ack_modes import (
-    PIPELINED_ACKS,
     AckAction,
     AckDecision,
     AckMode,
     AckRules,
+    AutoAckRules,
     ClientAckRules,
+    ConfirmFirst,
     FailoverOutcome,
     LinkReliability,
     TransactedAckRules,
@@ -40,12 +41,11 @@ from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
 from hafailover.errors import (
     AcknowledgeFailedError,
-    CallTimeoutError,
     ConfigurationError,
     ConnectionClosedError,
+    ErrorCode,
     HaFailoverError,
     IllegalStateError,
-    NotConnectedError,
     UnblockedError,
 )
 from hafailover.message import Message
@@ -74,6 +74,12 @@ class Session(Transactions):
         self.ack_mode = ack_mode
         # The rules live in the sessions core, which applies them at every failover.
         self.rules: AckRules = open_rules(session_id, ack_mode)
+        # AUTO's rules, which also decide what waits for its acknowledges (F6).
+        self._auto_rules = (
+            self.rules
+            if isinstance(self.rules, AutoAckRules) and ack_mode is AckMode.AUTO
+            else None
+        )
         self._consumers: dict[str, Consumer] = {}
         self._temporary: list[Destination] = []
         self._tx: object = None  # the broker's transaction handle, once work started
@@ -415,32 +421,52 @@ class Session(Transactions):
 
     def _auto_ack_written(self, completion: SendCompletion, *, pipelined: bool) -> None:
         """Under the lock: the acknowledge of the message being handed out is written."""
-        previous = self._auto_ack
-        if previous is not None and not previous.done():
-            self._auto_acks.append(previous)  # pipelined: no longer the last message's
+        self._auto_ack_superseded()
         self._auto_ack = completion
         self._auto_ack_pipelined = pipelined
 
+    def _auto_ack_superseded(self) -> None:
+        """Under the lock: another message was taken, so the last acknowledge is no longer
+        the last message's; in flight, it waits among the earlier ones."""
+        previous, self._auto_ack = self._auto_ack, None
+        if previous is not None and not previous.done():
+            self._auto_acks.append(previous)
+
     def _ack_blocking(self) -> SendCompletion | None:
-        """Under the lock, AUTO (F6): the acknowledge that must be confirmed before the
-        next message is handed out, if any: the last one unless it is pipelined (or it
-        ended: its outcome is reported first), else the oldest once PIPELINED_ACKS wait."""
+        """Under the lock, AUTO (F6): the acknowledge to confirm, or whose failure to report,
+        before the next message is handed out; the rules say which."""
+        rules = self._auto_rules
+        if rules is None:
+            return None
         pending = self._auto_acks
         while pending and pending[0].done():
+            error = pending[0].exception()
+            if error is not None:
+                decision = rules.ack_failed(error.code, last=False)
+                if decision.action is AckAction.RAISE:
+                    return pending[0]
             pending.popleft()
-        if len(pending) >= PIPELINED_ACKS:
-            return pending[0]
         last = self._auto_ack
-        if last is not None and (not self._auto_ack_pipelined or last.done()):
+        which = rules.confirm_first(
+            last_pipelined=self._auto_ack_pipelined,
+            last_done=last is not None and last.done(),
+            in_flight=len(pending),
+        )
+        if which is ConfirmFirst.OLDEST:
+            return pending[0]
+        if which is ConfirmFirst.LAST:
             return last
         return None
 
     def _confirm_last_ack(self, deadline: float | None = None) -> bool:
-        """AUTO: wait for the acknowledges F6 needs confirmed before the next delivery;
-        raises AcknowledgeFailed when the last message's was not (it may come again).
-        With a ``deadline`` (a receive's timeout), False if one is still unconfirmed then;
-        without one, each waits up to the call timeout."""
+        """AUTO: wait for the acknowledges F6 needs confirmed before the next delivery,
+        and report a failure as the rules say (AcknowledgeFailed: a message may come
+        again). With a ``deadline`` (a receive's timeout), False if one is still
+        unconfirmed then; without one, each waits up to the call timeout."""
         connection = self.connection
+        rules = self._auto_rules
+        if rules is None:
+            return True
         while True:
             with connection._cond:
                 completion = self._ack_blocking()
@@ -457,12 +483,18 @@ class Session(Transactions):
                     self._auto_ack = None
             try:
                 completion.result()
-            except (UnblockedError, NotConnectedError, CallTimeoutError) as exc:
-                if not last:
-                    continue  # an earlier pipelined one: the failover's outcome covers it
+            except HaFailoverError as exc:
+                with connection._cond, contextlib.suppress(ValueError):
+                    self._auto_acks.remove(completion)
+                decision = rules.ack_failed(exc.code, last=last)
+                if decision.action is not AckAction.RAISE:
+                    continue
+                if decision.code is not ErrorCode.ACKNOWLEDGE_FAILED:
+                    raise
+                which = "the previous message" if last else "an earlier message"
                 raise AcknowledgeFailedError(
-                    f"the acknowledge of the previous message was not confirmed ({exc}); "
-                    "that message may be delivered again"
+                    f"the acknowledge of {which} was not confirmed ({exc}); that message "
+                    "may be delivered again"
                 ) from exc
 
     def _join(self) -> None:
