@@ -672,8 +672,11 @@ class AsyncConsumer:
         """The next message, waiting up to ``timeout`` seconds (None: forever) without
         blocking the loop; None when none came. Waits through failover (F1); in AUTO,
         for the previous message's acknowledge when F6 needs it confirmed first."""
-        with contextlib.suppress(WouldBlock):
+        try:
             message = self.sync._receive_now()  # the common case: one is buffered
+        except WouldBlock:
+            pass
+        else:
             if message is not None:
                 return message
         try:

@@ -286,20 +286,21 @@ class Consumer:
         connection = session.connection
         started = tracing.started()
         deadline = None if timeout is None else time.monotonic() + timeout
+        cond = connection._cond
         while True:
+            with cond:
+                if session._ack_blocking() is None:
+                    message = self._next()
+                    if message is not None:
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return None
+                    cond.wait(remaining if remaining is not None else 1.0)
+                    continue
             # Outside the lock: it may wait for an acknowledge (F6), or raise its failure.
             if not session._confirm_last_ack(deadline):
                 return None
-            with connection._cond:
-                if session._ack_blocking() is not None:
-                    continue  # a failover ended the last acknowledge while we waited
-                message = self._next()
-                if message is not None:
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                connection._cond.wait(remaining if remaining is not None else 1.0)
         self._hand_out(message, started)
         return message
 
@@ -308,16 +309,19 @@ class Consumer:
         WouldBlock, with it, while an AUTO acknowledge must be confirmed first (F6)."""
         self._check_receive()
         session = self.session
+        cond = session.connection._cond
         started = tracing.started()
-        with session.connection._cond:
+        with cond:
             blocking = session._ack_blocking()
-        if blocking is not None and not blocking.done():
-            raise WouldBlock(blocking)
-        session._confirm_last_ack()  # done: raises what it failed with, if it did
-        with session.connection._cond:
-            if session._ack_blocking() is not None:
-                return None  # ended while we looked: the next call confirms it
-            message = self._next()
+            message = self._next() if blocking is None else None
+        if blocking is not None:
+            if not blocking.done():
+                raise WouldBlock(blocking)
+            session._confirm_last_ack()  # done: raises what it failed with, if it did
+            with cond:
+                if session._ack_blocking() is not None:
+                    return None  # ended while we looked: the next call confirms it
+                message = self._next()
         if message is not None:
             self._hand_out(message, started)
         return message
