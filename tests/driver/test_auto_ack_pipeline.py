@@ -116,9 +116,7 @@ def test_a_reconnect_gives_the_application_at_most_the_last_message_again(
         with broker.paused():
             got = [consumer.receive(1) for _ in range(5)]
             assert all(m is not None for m in got)
-            broker.answers.append("fresh")
-            for thread in broker.current().lose(noticed_by=("reader",)):
-                thread.join(5)
+            lose(broker, "fresh")
         with pytest.raises(AcknowledgeFailedError):
             consumer.receive(5)
         again = consumer.receive(5)
@@ -177,13 +175,8 @@ def test_a_listener_is_not_given_a_message_whose_pipelined_acknowledge_was_lost(
             consumer.set_message_listener(listener)
             connection.start()
             assert done.wait(5)
-            broker.answers.append("fresh")
-            for thread in broker.current().lose(noticed_by=("reader",)):
-                thread.join(5)
-        deadline = time.monotonic() + 5
-        while connection.statistics().failovers == 0:
-            assert time.monotonic() < deadline, "no failover"
-            time.sleep(0.002)
+            lose(broker, "fresh")
+        wait_for_failovers(connection, 1)
         time.sleep(0.3)
         assert sorted(got[5:]) in ([], ["4"]), got  # at most the last one again
         assert got[:5] == ["0", "1", "2", "3", "4"]
@@ -280,15 +273,14 @@ def test_two_reconnects_in_a_row_still_drop_what_was_handed_out(broker: FakeBrok
         got: list[str] = []
         failures = 0
         for round_ in range(2):
+            buffered(consumer, 5)  # the five, or their redeliveries
             with broker.paused():
                 while (message := receive_or_count(consumer)) is not None:
                     if message == "failed":
                         failures += 1
                         continue
                     got.append(message.text)
-                broker.answers.append("fresh")
-                for thread in broker.current().lose(noticed_by=("reader",)):
-                    thread.join(5)
+                lose(broker, "fresh")
             wait_for_failovers(connection, round_ + 1)
         while (message := receive_or_count(consumer)) is not None:
             if message == "failed":
@@ -323,9 +315,7 @@ def test_a_copy_with_the_same_id_on_another_subscription_is_delivered(
             # "y" has no sender's id: its acknowledge is the last, confirmed before more.
             taken = first.receive(1)
             assert taken is not None and taken.text == "y"
-            broker.answers.append("fresh")
-            for thread in broker.current().lose(noticed_by=("reader",)):
-                thread.join(5)
+            lose(broker, "fresh")
         wait_for_failovers(connection, 1)
         with pytest.raises(AcknowledgeFailedError):  # "y"'s, the last handed out
             second.receive(5)
@@ -362,9 +352,7 @@ def test_one_report_when_the_message_being_handed_out_is_caught_by_a_reconnect(
             consumer.set_message_listener(listener)
             connection.start()
             assert running.wait(5)
-            broker.answers.append("fresh")
-            for thread in broker.current().lose(noticed_by=("reader",)):
-                thread.join(5)
+            lose(broker, "fresh")
         wait_for_failovers(connection, 1)
         release.set()
         time.sleep(0.5)
@@ -398,6 +386,13 @@ def test_an_unanswered_acknowledge_in_flight_is_reported_not_waited_for_forever(
             assert time.monotonic() - started < 3
         fourth = consumer.receive(5)
         assert fourth is not None and fourth.text == "3"
+
+
+def lose(broker: FakeBroker, answer: str) -> None:
+    """The connection dies, noticed by the reader; the next attempt is answered ``answer``."""
+    broker.answers.append(answer)
+    for thread in broker.current().lose(noticed_by=("reader",)):
+        thread.join(5)
 
 
 def receive_or_count(consumer: hafailover.Consumer) -> Message | str | None:
