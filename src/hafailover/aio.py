@@ -277,9 +277,16 @@ class AsyncConnection:
                         left = None if deadline is None else deadline - self.loop.time()
                         if left is not None and left <= 0:
                             raise TimeoutError from None
-                        finished, _ = await asyncio.wait({future}, timeout=left)
+                        limit = left
+                        if blocked.timed_out is not None:
+                            call_timeout = self.sync.policy.call_timeout
+                            limit = call_timeout if left is None else min(left, call_timeout)
+                        finished, _ = await asyncio.wait({future}, timeout=limit)
                         if not finished:
-                            raise TimeoutError from None
+                            if limit == left or blocked.timed_out is None:
+                                raise TimeoutError from None
+                            blocked.timed_out()  # raises what a blocking call would
+                            continue
                         with contextlib.suppress(HaFailoverError):
                             future.result()
                         continue

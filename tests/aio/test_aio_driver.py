@@ -13,6 +13,7 @@ import pytest
 
 from hafailover import (
     AckMode,
+    AcknowledgeFailedError,
     FailoverCompleted,
     FailoverNotice,
     FailureDetected,
@@ -151,6 +152,59 @@ def test_auto_receives_wait_for_the_previous_acknowledge_without_blocking(
                 message = await second
             assert message is not None and message.text == "2"
             assert ticker.largest_gap < 0.1, ticker.largest_gap
+
+    run(test)
+
+
+def test_auto_receives_do_not_wait_for_an_acknowledge_in_flight(broker: FakeBroker) -> None:
+    """Messages stamped with their sender's id: the second is handed out while the first
+    one's acknowledge is unconfirmed (docs/client.md, AUTO acknowledges in flight)."""
+
+    async def test() -> None:
+        async with await connected(broker) as connection:
+            session = await connection.create_session(AckMode.AUTO)
+            consumer = await session.create_consumer("queue://orders")
+            with broker.lock:
+                broker.queues["orders"].extend(
+                    [Message("1", message_id="m1"), Message("2", message_id="m2")]
+                )
+            connection.start()
+            await eventually(lambda: len(consumer.sync._buffer) == 2, "the deliveries")
+            with broker.paused():
+                first = await consumer.receive(1)
+                second = await consumer.receive(1)
+            assert [m.text for m in (first, second) if m is not None] == ["1", "2"]
+
+    run(test)
+
+
+def test_an_acknowledge_never_confirmed_ends_a_receive_without_timeout(
+    broker: FakeBroker,
+) -> None:
+    """The broker answers nothing: a receive with no timeout, waiting for the previous
+    acknowledge F6 needs confirmed first, raises after the call timeout as the threaded
+    receive does, and the loop goes on meanwhile."""
+
+    async def test() -> None:
+        url = URL.replace("call_timeout=5s", "call_timeout=300ms")
+        async with await aio.connect(url, link_factory=link_factory(broker)) as connection:
+            session = await connection.create_session(AckMode.AUTO)
+            consumer = await session.create_consumer("queue://orders")
+            with broker.lock:
+                broker.queues["orders"].extend([Message("1"), Message("2")])
+            connection.start()
+            await eventually(lambda: len(consumer.sync._buffer) == 2, "the deliveries")
+            async with Ticker() as ticker:
+                with broker.paused():
+                    first = await consumer.receive(1)
+                    assert first is not None and first.text == "1"
+                    started = time.monotonic()
+                    with pytest.raises(AcknowledgeFailedError):
+                        await consumer.receive()
+                    assert time.monotonic() - started < 3
+            assert ticker.largest_gap < 0.1, ticker.largest_gap
+            second = await consumer.receive(5)
+            assert second is not None and second.text == "2"
 
     run(test)
 

@@ -83,11 +83,19 @@ class WatchedCondition(threading.Condition):
 class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and hafailover.aio, not an error
     """A call made not to block would have to wait: for the connection to come back (F1),
     for room in the confirmation window, or for ``completion`` (a previous AUTO
-    acknowledge). Nothing was sent; the caller waits its own way and asks again."""
+    acknowledge). Nothing was sent; the caller waits its own way and asks again. A caller
+    that waited the call timeout for ``completion`` calls ``timed_out()``, which raises
+    what a blocking call would have raised then (or returns, to wait on, while failing
+    over)."""
 
-    def __init__(self, completion: SendCompletion | None = None) -> None:
+    def __init__(
+        self,
+        completion: SendCompletion | None = None,
+        timed_out: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__("the call would block")
         self.completion = completion
+        self.timed_out = timed_out
 
 
 class Calls:

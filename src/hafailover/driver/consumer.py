@@ -316,7 +316,7 @@ class Consumer:
             message = self._next() if blocking is None else None
         if blocking is not None:
             if not blocking.done():
-                raise WouldBlock(blocking)
+                raise WouldBlock(blocking, session._ack_timed_out)
             session._confirm_last_ack()  # done: raises what it failed with, if it did
             with cond:
                 if session._ack_blocking() is not None:

@@ -484,18 +484,42 @@ class Session(Transactions):
             try:
                 completion.result()
             except HaFailoverError as exc:
-                with connection._cond, contextlib.suppress(ValueError):
-                    self._auto_acks.remove(completion)
-                decision = rules.ack_failed(exc.code, last=last)
-                if decision.action is not AckAction.RAISE:
-                    continue
-                if decision.code is not ErrorCode.ACKNOWLEDGE_FAILED:
-                    raise
-                which = "the previous message" if last else "an earlier message"
-                raise AcknowledgeFailedError(
-                    f"the acknowledge of {which} was not confirmed ({exc}); that message "
-                    "may be delivered again"
-                ) from exc
+                self._ack_failed(completion, exc, last=last)
+
+    def _ack_timed_out(self) -> None:
+        """The asyncio bridge waited the call timeout for the acknowledge F6 needs
+        confirmed first: what a blocking receive would do then (time spent failing over
+        does not count, F1: then it returns, to wait on)."""
+        connection = self.connection
+        with connection._cond:
+            completion = self._ack_blocking()
+            if completion is None or completion.done() or not connection._machine.is_up:
+                return
+            last = completion is self._auto_ack
+            if last:
+                self._auto_ack = None
+        try:
+            completion.result(0)
+        except HaFailoverError as exc:
+            self._ack_failed(completion, exc, last=last)
+
+    def _ack_failed(self, completion: SendCompletion, exc: HaFailoverError, *, last: bool) -> None:
+        """An acknowledge F6 waited for ended with ``exc``: raise what the rules say the
+        application hears, if anything."""
+        rules = self._auto_rules
+        assert rules is not None
+        with self.connection._cond, contextlib.suppress(ValueError):
+            self._auto_acks.remove(completion)
+        decision = rules.ack_failed(exc.code, last=last)
+        if decision.action is not AckAction.RAISE:
+            return
+        if decision.code is not ErrorCode.ACKNOWLEDGE_FAILED:
+            raise exc
+        which = "the previous message" if last else "an earlier message"
+        raise AcknowledgeFailedError(
+            f"the acknowledge of {which} was not confirmed ({exc}); that message "
+            "may be delivered again"
+        ) from exc
 
     def _join(self) -> None:
         thread = self._dispatcher
