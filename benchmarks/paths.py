@@ -53,6 +53,7 @@ from hafailover.tools.paths import (  # noqa: E402
     receive,
     send_one_at_a_time,
     send_pipelined,
+    subscribe_one_at_a_time,
     transactions,
 )
 from reference_broker.pair import BrokerPair  # noqa: E402
@@ -128,6 +129,25 @@ def stomp_sync(port: int, count: int) -> PathResult:
         connection.send(queue, BODY, headers={**PERSISTENT, "receipt": receipt})
         listener.wait(lambda r=receipt: r in listener.receipts)
         latencies.append(time.perf_counter() - sent)
+    result = PathResult(count, time.perf_counter() - start, tuple(latencies))
+    connection.disconnect()
+    return result
+
+
+def stomp_subscribe(port: int, count: int) -> PathResult:
+    """SUBSCRIBE with a receipt, waited for, then UNSUBSCRIBE, one at a time."""
+    connection, listener = raw_stomp_connection(port)
+    latencies = []
+    start = time.perf_counter()
+    for i in range(count):
+        began = time.perf_counter()
+        receipt = f"s{i}"
+        connection.subscribe(
+            f"/queue/{queue_name()}", id=f"sub{i}", ack="client", headers={"receipt": receipt}
+        )
+        listener.wait(lambda r=receipt: r in listener.receipts)
+        latencies.append(time.perf_counter() - began)
+        connection.unsubscribe(id=f"sub{i}")
     result = PathResult(count, time.perf_counter() - start, tuple(latencies))
     connection.disconnect()
     return result
@@ -286,6 +306,45 @@ class ProtonReceiver(MessagingHandler):  # type: ignore[misc]
             event.connection.close()
 
 
+class ProtonSubscriber(MessagingHandler):  # type: ignore[misc]
+    """Attach a receiver to a fresh queue, wait for the broker's attach, detach; again."""
+
+    def __init__(self, url: str, count: int) -> None:
+        super().__init__(prefetch=0)
+        self.url, self.count = url, count
+        self.latencies: list[float] = []
+        self.began = 0.0
+        self.receiver: Any = None
+        self.connection: Any = None
+        self.started = self.ended = 0.0
+
+    def on_start(self, event: Any) -> None:
+        self.connection = proton_connect(event, self.url)
+        self._next(event)
+
+    def _next(self, event: Any) -> None:
+        if len(self.latencies) >= self.count:
+            self.ended = time.perf_counter()
+            self.connection.close()
+            return
+        self.began = time.perf_counter()
+        if not self.started:
+            self.started = self.began  # timed from the first attach, as the library's run
+        self.receiver = event.container.create_receiver(self.connection, f"queue://{queue_name()}")
+
+    def on_link_opened(self, event: Any) -> None:
+        if event.receiver is not None and event.receiver == self.receiver:
+            self.latencies.append(time.perf_counter() - self.began)
+            event.receiver.close()
+            self._next(event)
+
+
+def proton_subscribe(port: int, count: int) -> PathResult:
+    handler = ProtonSubscriber(f"amqp://127.0.0.1:{port}", count)
+    Container(handler).run()
+    return PathResult(count, handler.ended - handler.started, tuple(handler.latencies))
+
+
 def proton_send(port: int, count: int, *, pipelined: bool) -> PathResult:
     address = f"queue://{queue_name()}"
     handler = ProtonSender(f"amqp://127.0.0.1:{port}", address, count, pipelined)
@@ -311,7 +370,7 @@ def proton_receive(port: int, queue: str, count: int, prefetch: int) -> PathResu
 
 # --- main ------------------------------------------------------------------------------------
 
-SECTIONS: Final = ("sync", "pipelined", "commit", "receive")
+SECTIONS: Final = ("sync", "pipelined", "subscribe", "commit", "receive")
 
 
 def main() -> None:
@@ -403,7 +462,31 @@ def main() -> None:
                 },
             )
             row("amqp pipelined confirmed", got["ours"], got["raw"], "proton event-driven")
-        # 3. transactions (raw: stomp.py; AMQP measured for hafailover alone)
+        # 3. subscriptions, one at a time
+        subscriptions = max(20, sync_count // 10)
+        for protocol, url in protocols if "subscribe" in only else ():
+            raw_subscribe: Callable[[], PathResult] = (
+                (lambda: stomp_subscribe(sp, subscriptions))
+                if protocol == "stomp"
+                else (lambda: proton_subscribe(ap, subscriptions))
+            )
+            got = best(
+                repeats,
+                {
+                    "ours": lambda u=url, n=subscriptions: subscribe_one_at_a_time(u, n),
+                    "raw": raw_subscribe,
+                },
+            )
+            row(
+                f"{protocol} create_consumer(), one at a time",
+                got["ours"],
+                got["raw"],
+                "stomp.py SUBSCRIBE with a receipt, waited"
+                if protocol == "stomp"
+                else "proton receiver attach, waited for the broker's",
+                True,
+            )
+        # 4. transactions (raw: stomp.py; AMQP measured for hafailover alone)
         for size in (1, 10, 100) if "commit" in only else ():
             batches = max(5, (sync_count // 2) // size)
             got = best(
@@ -434,7 +517,7 @@ def main() -> None:
                 "proton transactional sender (declare, send, commit)",
                 True,
             )
-        # 4. receives
+        # 5. receives
         for protocol, url in protocols if "receive" in only else ():
             for prefetch in (100, 1000):
                 for mode in (AckMode.AUTO, AckMode.CLIENT, AckMode.DUPS_OK):

@@ -17,6 +17,7 @@ PATHS = [
     "send(), one at a time",
     "send_async().result(), one at a time",
     "send_async + flush, pipelined",
+    "create_consumer(), one at a time",
     "commit of 1",
     "commit of 10",
     "commit of 100",
@@ -45,7 +46,7 @@ def test_perf_paths_measures_every_path(
     assert [row["path"] for row in rows] == PATHS
     assert all(row["rate"] > 0 for row in rows)
     for row in rows:
-        if row["path"].startswith(("send(", "send_async().", "commit")):
+        if row["path"].startswith(("send(", "send_async().", "commit", "create_consumer")):
             assert 0 < row["p50_ms"] <= row["p99_ms"]
 
 

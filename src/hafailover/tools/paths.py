@@ -1,7 +1,8 @@
 """``hafailover perf paths``: what applications do, measured through the library.
 
 One broker URL; each path in turn on its own queue: ``send()`` and
-``send_async().result()`` one at a time, pipelined ``send_async`` + ``flush``, commits of
+``send_async().result()`` one at a time, pipelined ``send_async`` + ``flush``,
+``create_consumer()`` one at a time, commits of
 1, 10 and 100 sends, and receives in AUTO, CLIENT (acknowledge every 100) and DUPS_OK with
 prefetch 100 and 1000. Rates in messages per second, latencies p50/p99 in milliseconds.
 benchmarks/paths.py runs the same functions beside the raw clients.
@@ -26,6 +27,7 @@ __all__ = [
     "run_paths",
     "send_one_at_a_time",
     "send_pipelined",
+    "subscribe_one_at_a_time",
     "transactions",
 ]
 
@@ -69,6 +71,21 @@ def send_one_at_a_time(
             else:
                 producer.send(BODY)
             latencies.append(time.perf_counter() - sent)
+        return PathResult(count, time.perf_counter() - start, tuple(latencies))
+
+
+def subscribe_one_at_a_time(url: str | FailoverPolicy, count: int) -> PathResult:
+    """``create_consumer()`` then ``close()``, one at a time on fresh queues; the latencies
+    are the creations', each of which waits for the broker's answer to its subscription."""
+    with connect(url) as connection:
+        session = connection.create_session(AckMode.CLIENT)
+        latencies = []
+        start = time.perf_counter()
+        for _ in range(count):
+            began = time.perf_counter()
+            consumer = session.create_consumer(f"queue://{queue_name()}")
+            latencies.append(time.perf_counter() - began)
+            consumer.close()
         return PathResult(count, time.perf_counter() - start, tuple(latencies))
 
 
@@ -150,6 +167,11 @@ def run_paths(url: str | FailoverPolicy, *, quick: bool = False) -> list[dict[st
         latency=True,
     )
     row("send_async + flush, pipelined", send_pipelined(url, many))
+    row(
+        "create_consumer(), one at a time",
+        subscribe_one_at_a_time(url, max(20, one // 10)),
+        latency=True,
+    )
     for size in (1, 10, 100):
         row(f"commit of {size}", transactions(url, max(5, one // 2 // size), size), latency=True)
     for prefetch in (100, 1000):
