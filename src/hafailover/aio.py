@@ -258,6 +258,25 @@ class AsyncConnection:
         for waiter in waiters:
             _wake(waiter)
 
+    async def _within_call_timeout(self, future: asyncio.Future[Any]) -> bool:
+        """Wait for ``future`` up to the call timeout, counting only time the connection is
+        up (F1) and asking the broker for a receipt where a call waits for one, as a
+        blocking call's wait does; whether it finished."""
+        connection = self.sync
+        budget = connection.policy.call_timeout
+        last = self.loop.time()
+        while not future.done():
+            if budget <= 0:
+                return False
+            with connection._cond:
+                connection._ask_for_receipt()
+            await asyncio.wait({future}, timeout=min(budget, 0.5))
+            now = self.loop.time()
+            if connection._machine.is_up:
+                budget -= now - last
+            last = now
+        return True
+
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
         """``attempt()`` until it does not raise WouldBlock, looking again each time the
         driver changes (never blocking the loop); TimeoutError after ``timeout`` seconds
@@ -277,16 +296,15 @@ class AsyncConnection:
                         left = None if deadline is None else deadline - self.loop.time()
                         if left is not None and left <= 0:
                             raise TimeoutError from None
-                        limit = left
-                        if blocked.timed_out is not None:
-                            call_timeout = self.sync.policy.call_timeout
-                            limit = call_timeout if left is None else min(left, call_timeout)
-                        finished, _ = await asyncio.wait({future}, timeout=limit)
-                        if not finished:
-                            if limit == left or blocked.timed_out is None:
-                                raise TimeoutError from None
-                            blocked.timed_out()  # raises what a blocking call would
+                        if left is None and blocked.timed_out is not None:
+                            # No timeout of the caller's: the call timeout, as a blocking
+                            # call would wait (failing over does not count, F1).
+                            if not await self._within_call_timeout(future):
+                                blocked.timed_out()  # raises what a blocking call would
                             continue
+                        finished, _ = await asyncio.wait({future}, timeout=left)
+                        if not finished:
+                            raise TimeoutError from None
                         with contextlib.suppress(HaFailoverError):
                             future.result()
                         continue

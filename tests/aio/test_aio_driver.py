@@ -209,6 +209,34 @@ def test_an_acknowledge_never_confirmed_ends_a_receive_without_timeout(
     run(test)
 
 
+def test_a_receive_with_a_timeout_waits_for_an_acknowledge_past_the_call_timeout(
+    broker: FakeBroker,
+) -> None:
+    """The caller's own timeout, longer than the call timeout, bounds the wait for the
+    acknowledge F6 needs confirmed first, as in the threaded API: the broker confirms it
+    late and the next message is returned."""
+
+    async def test() -> None:
+        url = URL.replace("call_timeout=5s", "call_timeout=300ms")
+        async with await aio.connect(url, link_factory=link_factory(broker)) as connection:
+            session = await connection.create_session(AckMode.AUTO)
+            consumer = await session.create_consumer("queue://orders")
+            with broker.lock:
+                broker.queues["orders"].extend([Message("1"), Message("2")])
+            connection.start()
+            await eventually(lambda: len(consumer.sync._buffer) == 2, "the deliveries")
+            with broker.paused():
+                first = await consumer.receive(1)
+                assert first is not None and first.text == "1"
+                second = asyncio.ensure_future(consumer.receive(5))
+                await asyncio.sleep(0.6)  # twice the call timeout, nothing confirmed
+                assert not second.done()
+            message = await second
+            assert message is not None and message.text == "2"
+
+    run(test)
+
+
 def test_a_cancelled_send_is_reported_in_doubt_and_its_retry_is_stored_once(
     broker: FakeBroker,
 ) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
@@ -316,7 +317,7 @@ class Consumer:
             message = self._next() if blocking is None else None
         if blocking is not None:
             if not blocking.done():
-                raise WouldBlock(blocking, session._ack_timed_out)
+                raise WouldBlock(blocking, functools.partial(session._ack_timed_out, blocking))
             session._confirm_last_ack()  # done: raises what it failed with, if it did
             with cond:
                 if session._ack_blocking() is not None:

@@ -447,6 +447,8 @@ class Session(Transactions):
                     return pending[0]
             pending.popleft()
         last = self._auto_ack
+        if last is not None and last.done() and last.exception() is None:
+            self._auto_ack = last = None  # confirmed: nothing to wait for or report
         which = rules.confirm_first(
             last_pipelined=self._auto_ack_pipelined,
             last_done=last is not None and last.done(),
@@ -486,14 +488,17 @@ class Session(Transactions):
             except HaFailoverError as exc:
                 self._ack_failed(completion, exc, last=last)
 
-    def _ack_timed_out(self) -> None:
-        """The asyncio bridge waited the call timeout for the acknowledge F6 needs
-        confirmed first: what a blocking receive would do then (time spent failing over
-        does not count, F1: then it returns, to wait on)."""
+    def _ack_timed_out(self, completion: SendCompletion) -> None:
+        """The asyncio bridge waited the call timeout for ``completion``, the acknowledge
+        F6 needed confirmed first: what a blocking receive would do then (nothing if that
+        acknowledge is no longer the one to wait for, or while failing over)."""
         connection = self.connection
         with connection._cond:
-            completion = self._ack_blocking()
-            if completion is None or completion.done() or not connection._machine.is_up:
+            if (
+                self._ack_blocking() is not completion
+                or completion.done()
+                or not connection._machine.is_up
+            ):
                 return
             last = completion is self._auto_ack
             if last:
