@@ -128,6 +128,19 @@ def test_a_waiting_receive_is_woken_by_a_delivery_and_waits_through_a_failover(
     run(test)
 
 
+async def auto_consumer(
+    broker: FakeBroker, connection: aio.AsyncConnection, messages: list[Message]
+) -> aio.AsyncConsumer:
+    """A started AUTO consumer of queue://orders with ``messages`` prefetched."""
+    session = await connection.create_session(AckMode.AUTO)
+    consumer = await session.create_consumer("queue://orders")
+    with broker.lock:
+        broker.queues["orders"].extend(messages)
+    connection.start()
+    await eventually(lambda: len(consumer.sync._buffer) == len(messages), "the deliveries")
+    return consumer
+
+
 def test_auto_receives_wait_for_the_previous_acknowledge_without_blocking(
     broker: FakeBroker,
 ) -> None:
@@ -136,12 +149,7 @@ def test_auto_receives_wait_for_the_previous_acknowledge_without_blocking(
 
     async def test() -> None:
         async with await connected(broker) as connection:
-            session = await connection.create_session(AckMode.AUTO)
-            consumer = await session.create_consumer("queue://orders")
-            with broker.lock:
-                broker.queues["orders"].extend([Message("1"), Message("2")])
-            connection.start()
-            await eventually(lambda: len(consumer.sync._buffer) == 2, "the deliveries")
+            consumer = await auto_consumer(broker, connection, [Message("1"), Message("2")])
             async with Ticker() as ticker:
                 with broker.paused():
                     first = await consumer.receive(5)
@@ -162,14 +170,9 @@ def test_auto_receives_do_not_wait_for_an_acknowledge_in_flight(broker: FakeBrok
 
     async def test() -> None:
         async with await connected(broker) as connection:
-            session = await connection.create_session(AckMode.AUTO)
-            consumer = await session.create_consumer("queue://orders")
-            with broker.lock:
-                broker.queues["orders"].extend(
-                    [Message("1", message_id="m1"), Message("2", message_id="m2")]
-                )
-            connection.start()
-            await eventually(lambda: len(consumer.sync._buffer) == 2, "the deliveries")
+            consumer = await auto_consumer(
+                broker, connection, [Message("1", message_id="m1"), Message("2", message_id="m2")]
+            )
             with broker.paused():
                 first = await consumer.receive(1)
                 second = await consumer.receive(1)
@@ -188,12 +191,7 @@ def test_an_acknowledge_never_confirmed_ends_a_receive_without_timeout(
     async def test() -> None:
         url = URL.replace("call_timeout=5s", "call_timeout=300ms")
         async with await aio.connect(url, link_factory=link_factory(broker)) as connection:
-            session = await connection.create_session(AckMode.AUTO)
-            consumer = await session.create_consumer("queue://orders")
-            with broker.lock:
-                broker.queues["orders"].extend([Message("1"), Message("2")])
-            connection.start()
-            await eventually(lambda: len(consumer.sync._buffer) == 2, "the deliveries")
+            consumer = await auto_consumer(broker, connection, [Message("1"), Message("2")])
             async with Ticker() as ticker:
                 with broker.paused():
                     first = await consumer.receive(1)
@@ -219,12 +217,7 @@ def test_a_receive_with_a_timeout_waits_for_an_acknowledge_past_the_call_timeout
     async def test() -> None:
         url = URL.replace("call_timeout=5s", "call_timeout=300ms")
         async with await aio.connect(url, link_factory=link_factory(broker)) as connection:
-            session = await connection.create_session(AckMode.AUTO)
-            consumer = await session.create_consumer("queue://orders")
-            with broker.lock:
-                broker.queues["orders"].extend([Message("1"), Message("2")])
-            connection.start()
-            await eventually(lambda: len(consumer.sync._buffer) == 2, "the deliveries")
+            consumer = await auto_consumer(broker, connection, [Message("1"), Message("2")])
             with broker.paused():
                 first = await consumer.receive(1)
                 assert first is not None and first.text == "1"

@@ -5,6 +5,7 @@ the application sees at most the last message it had again. Milliseconds, no rea
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -52,11 +53,7 @@ def buffered(consumer: hafailover.Consumer, count: int) -> None:
 def test_a_message_with_its_senders_id_does_not_wait_for_the_previous_acknowledge(
     broker: FakeBroker,
 ) -> None:
-    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
-        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
-        connection.start()
-        put(broker, 3)
-        buffered(consumer, 3)
+    with auto_consumer(broker, 3) as (_connection, consumer):
         with broker.paused():  # nothing is read: no acknowledge is confirmed
             got = [consumer.receive(1) for _ in range(3)]
             assert [m.text for m in got if m is not None] == ["0", "1", "2"]
@@ -71,11 +68,7 @@ def test_otherwise_the_next_message_waits_for_the_previous_acknowledge(
     broker: FakeBroker, why: str
 ) -> None:
     url = URL + ("&block_on_acknowledge=true" if why == "block_on_acknowledge" else "")
-    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
-        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
-        connection.start()
-        put(broker, 2, ids=why != "no sender id")
-        buffered(consumer, 2)
+    with auto_consumer(broker, 2, ids=why != "no sender id", url=url) as (_connection, consumer):
         with broker.paused():
             first = consumer.receive(1)
             assert first is not None and first.text == "0"
@@ -88,11 +81,7 @@ def test_at_most_pipelined_acks_wait_at_once(
     broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(auto_rules, "PIPELINED_ACKS", 3)
-    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
-        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
-        connection.start()
-        put(broker, 6)
-        buffered(consumer, 6)
+    with auto_consumer(broker, 6) as (_connection, consumer):
         with broker.paused():
             # The last one's acknowledge and three before it: the fifth must wait.
             got = [consumer.receive(1) for _ in range(4)]
@@ -108,11 +97,7 @@ def test_a_reconnect_gives_the_application_at_most_the_last_message_again(
     """The broker read none of five pipelined acknowledges; the new session gets all five
     again. Only the last one handed out is delivered (after receive() says so), the four
     before it are acknowledged and dropped."""
-    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
-        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
-        connection.start()
-        put(broker, 5)
-        buffered(consumer, 5)
+    with auto_consumer(broker, 5) as (_connection, consumer):
         with broker.paused():
             got = [consumer.receive(1) for _ in range(5)]
             assert all(m is not None for m in got)
@@ -134,11 +119,7 @@ def test_a_reattach_replays_the_pipelined_acknowledges(broker: FakeBroker, read:
     """The server read ``read`` of five acknowledges before the loss and sends the rest of
     the five messages again as the session is reattached (the bundled broker does): the
     replayed acknowledges settle them, and none is handed out again or acknowledged twice."""
-    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
-        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
-        connection.start()
-        put(broker, 5)
-        buffered(consumer, 5)
+    with auto_consumer(broker, 5) as (connection, consumer):
         with broker.paused():
             got = [consumer.receive(1) for _ in range(5)]
             assert all(m is not None for m in got)
@@ -265,11 +246,7 @@ def test_f6_holds_under_any_losses(
 def test_two_reconnects_in_a_row_still_drop_what_was_handed_out(broker: FakeBroker) -> None:
     """The acknowledges that drop the redeliveries after a first reconnect are lost to a
     second one: the broker delivers those messages once more, and they are dropped again."""
-    with hafailover.connect(URL, link_factory=link_factory(broker)) as connection:
-        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
-        connection.start()
-        put(broker, 5)
-        buffered(consumer, 5)
+    with auto_consumer(broker, 5) as (connection, consumer):
         got: list[str] = []
         failures = 0
         for round_ in range(2):
@@ -369,11 +346,7 @@ def test_an_unanswered_acknowledge_in_flight_is_reported_not_waited_for_forever(
     again, and goes on."""
     monkeypatch.setattr(auto_rules, "PIPELINED_ACKS", 2)
     url = URL.replace("call_timeout=5s", "call_timeout=300ms")
-    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
-        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
-        connection.start()
-        put(broker, 4)
-        buffered(consumer, 4)
+    with auto_consumer(broker, 4, url=url) as (_connection, consumer):
         with broker.paused():
             assert [m.text for m in (consumer.receive(1) for _ in range(3)) if m] == [
                 "0",
@@ -386,6 +359,19 @@ def test_an_unanswered_acknowledge_in_flight_is_reported_not_waited_for_forever(
             assert time.monotonic() - started < 3
         fourth = consumer.receive(5)
         assert fourth is not None and fourth.text == "3"
+
+
+@contextlib.contextmanager
+def auto_consumer(
+    broker: FakeBroker, count: int, *, ids: bool = True, url: str = URL
+) -> Iterator[tuple[hafailover.Connection, hafailover.Consumer]]:
+    """A started AUTO consumer of queue://orders with ``count`` messages prefetched."""
+    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
+        consumer = connection.create_session(AckMode.AUTO).create_consumer("queue://orders")
+        connection.start()
+        put(broker, count, ids=ids)
+        buffered(consumer, count)
+        yield connection, consumer
 
 
 def lose(broker: FakeBroker, answer: str) -> None:
