@@ -51,7 +51,7 @@ from hafailover.driver import (
     Session,
 )
 from hafailover.driver import connect as connect_threaded
-from hafailover.driver.calls import WouldBlock
+from hafailover.driver.calls import CallClock, WouldBlock
 from hafailover.driver.consumer import DEFAULT_PREFETCH
 from hafailover.driver.producer import sent_id
 from hafailover.driver.transactions import TransactionAttempt, TransactionBlock
@@ -263,18 +263,14 @@ class AsyncConnection:
         up (F1) and asking the broker for a receipt where a call waits for one, as a
         blocking call's wait does; whether it finished."""
         connection = self.sync
-        budget = connection.policy.call_timeout
-        last = self.loop.time()
+        clock = CallClock(connection.policy.call_timeout, connection._machine)
         while not future.done():
-            if budget <= 0:
+            if clock.expired:
                 return False
             with connection._cond:
                 connection._ask_for_receipt()
-            await asyncio.wait({future}, timeout=min(budget, 0.5))
-            now = self.loop.time()
-            if connection._machine.is_up:
-                budget -= now - last
-            last = now
+            await asyncio.wait({future}, timeout=clock.slice)
+            clock.tick()
         return True
 
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:

@@ -33,6 +33,12 @@ from hafailover.window import ConfirmationWindow
 
 _SERIALS = itertools.count(1000)
 
+# A pair of fake brokers, with failure detection and retries fast enough for tests.
+FAST_URL = (
+    "failover:(stomp://app:pw@live:61613,stomp://app:pw@backup:61613)"
+    "?heartbeat=250ms&retry_interval=5ms&max_retry_interval=20ms&call_timeout=5s"
+)
+
 
 @attrs.define
 class Frame:

@@ -12,14 +12,11 @@ import pytest
 import hafailover
 from hafailover import AckMode, ConfigurationError, InvalidURLError, Message
 
-from .fake import FakeBroker, link_factory
+from .fake import FAST_URL, FakeBroker, link_factory
 
 pytestmark = pytest.mark.timeout(30)
 
-URL = (
-    "failover:(stomp://app:pw@live:61613,stomp://app:pw@backup:61613)"
-    "?heartbeat=250ms&retry_interval=5ms&max_retry_interval=20ms&call_timeout=5s"
-)
+URL = FAST_URL
 
 
 @pytest.fixture

@@ -98,6 +98,33 @@ class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and haf
         self.timed_out = timed_out
 
 
+class CallClock:
+    """A call's timeout, counting only time the connection is up: failing over does not
+    count (F1). Waits go in slices of at most half a second, so a change of state shows."""
+
+    __slots__ = ("_last", "_machine", "left")
+
+    def __init__(self, budget: float, machine: FailoverMachine) -> None:
+        self.left = budget
+        self._machine = machine
+        self._last = time.monotonic()
+
+    @property
+    def expired(self) -> bool:
+        return self.left <= 0
+
+    @property
+    def slice(self) -> float:
+        return min(self.left, 0.5)
+
+    def tick(self) -> None:
+        """A slice was waited: count it if the connection was up."""
+        now = time.monotonic()
+        if self._machine.is_up:
+            self.left -= now - self._last
+        self._last = now
+
+
 class Calls:
     """Admission, registration and waiting; mixed into ``Connection``, whose state it uses."""
 
@@ -235,18 +262,14 @@ class Calls:
     ) -> None:
         """Wait until ``done()`` for the broker's answers, asking for a receipt where one
         is missing; time spent failing over does not count against the timeout (F1)."""
-        budget = self.policy.call_timeout if timeout is None else timeout
+        clock = CallClock(self.policy.call_timeout if timeout is None else timeout, self._machine)
         with self._cond:
-            last = time.monotonic()
             while not done():
                 self._ask_for_receipt()
-                if budget <= 0:
+                if clock.expired:
                     raise CallTimeoutError(timed_out())
-                self._cond.wait(min(budget, 0.5))
-                now = time.monotonic()
-                if self._machine.is_up:
-                    budget -= now - last
-                last = now
+                self._cond.wait(clock.slice)
+                clock.tick()
 
     def _wait_window_room(self, size: int, deadline: float | None, *, block: bool = True) -> Link:
         """Under the lock: admission plus window flow control (F4). ``block=False``: raise

@@ -480,9 +480,7 @@ class Session(Transactions):
                         return False
                     connection._ask_for_receipt()  # a pipelined one may not have asked
                     connection._cond.wait(remaining)
-                last = completion is self._auto_ack
-                if last:
-                    self._auto_ack = None
+                last = self._claim_ack(completion)
             try:
                 completion.result()
             except HaFailoverError as exc:
@@ -500,13 +498,19 @@ class Session(Transactions):
                 or not connection._machine.is_up
             ):
                 return
-            last = completion is self._auto_ack
-            if last:
-                self._auto_ack = None
+            last = self._claim_ack(completion)
         try:
             completion.result(0)
         except HaFailoverError as exc:
             self._ack_failed(completion, exc, last=last)
+
+    def _claim_ack(self, completion: SendCompletion) -> bool:
+        """Under the lock: ``completion`` is about to be waited on and its outcome reported
+        here; whether it is the last message's (which then no longer waits to be)."""
+        last = completion is self._auto_ack
+        if last:
+            self._auto_ack = None
+        return last
 
     def _ack_failed(self, completion: SendCompletion, exc: HaFailoverError, *, last: bool) -> None:
         """An acknowledge F6 waited for ended with ``exc``: raise what the rules say the
