@@ -23,7 +23,9 @@ $(STAMPS)/venv: pyproject.toml
 	@mkdir -p $(STAMPS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,spark,otel]'
+	# Two package roots (src/ and reference_broker/) make setuptools warn about editable
+	# installs on every install; the layout is deliberate, so that one warning is silenced.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[dev,spark,otel]'
 	@touch $@
 
 lint: $(STAMPS)/venv
