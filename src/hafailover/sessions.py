@@ -56,7 +56,6 @@ from hafailover.ack_modes import (
 from hafailover.errors import (
     CallTimeoutError,
     HaFailoverError,
-    IllegalStateError,
     NotConnectedError,
     UnblockedError,
 )
@@ -292,29 +291,39 @@ class SessionsCore:
 
     # --- failover -----------------------------------------------------------------------
 
-    def reattach_possible(self, last_received: int) -> bool:
-        """Whether a server that kept the session can be reattached to: the window is on
-        and nothing it never received is transacted work, which is never replayed (F9)."""
+    def reattach_refusal(self, last_received: int) -> str | None:
+        """Why a server that kept the session and received up to ``last_received`` cannot
+        be reattached to, or None when it can (F4): the window's view and the server's
+        disagree or the window is off, or transacted work it never received would have to
+        be replayed, which never happens (F9). The driver then ends that server session
+        and starts a new one (F5): never a fatal error."""
         window = self.window
-        return window.enabled and not any(
-            not c.replayable and c.command_id > last_received for c in window
-        )
+        refusal = window.reattach_refusal(last_received)
+        if refusal is not None:
+            return refusal
+        lost = [c.command_id for c in window if not c.replayable and c.command_id > last_received]
+        if lost:
+            return f"transacted commands {lost[0]}..{lost[-1]} never reached the server"
+        return None
+
+    def reattach_possible(self, last_received: int) -> bool:
+        """Whether a reattach to a server that received up to ``last_received`` can go on."""
+        return self.reattach_refusal(last_received) is None
 
     def first_connection(self) -> None:
         """The first connection: nothing is in flight yet; ids start at 0."""
         self.window.reconnect()
 
     def failover(self, *, resumed: bool, last_received: int = -1) -> FailoverPlan:
-        """The connection is back: decide what becomes of every call and session."""
-        if resumed:
+        """The connection is back: decide what becomes of every call and session. A
+        reattach the window cannot honour (``reattach_refusal``) is planned as a
+        reconnect: the plan's ``reattached`` says which it is."""
+        if resumed and self.reattach_possible(last_received):
             return self._reattach(last_received)
         return self._reconnect()
 
     def _reattach(self, last_received: int) -> FailoverPlan:
-        try:
-            window_plan = self.window.reattach(last_received)
-        except ReattachImpossibleError as exc:
-            raise IllegalStateError(f"reattach impossible: {exc}") from exc
+        window_plan = self.window.reattach(last_received)
         self.replayed += len(window_plan.replay)
         lost_work = bool(window_plan.lost_unreplayable)
         resend: list[int] = []

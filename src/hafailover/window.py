@@ -185,23 +185,28 @@ class ConfirmationWindow(Generic[P]):
             freed += 1
         return freed
 
+    def reattach_refusal(self, last_received: int) -> str | None:
+        """Why a server that says it received up to ``last_received`` cannot be reattached
+        to, or None when it can: the window is off, or the server claims fewer commands
+        than it confirmed or more than were sent (its view of the session and ours
+        disagree). The one test of the window's side of F4; the caller reconnects."""
+        if not self.enabled:
+            return "the confirmation window is off (size -1)"
+        if last_received < self._last_confirmed:
+            return f"server received up to {last_received} but had confirmed {self._last_confirmed}"
+        if last_received >= self._next_id:
+            return f"server received up to {last_received} but only {self._next_id} were sent"
+        return None
+
     def reattach(self, last_received: int) -> ReattachPlan[P]:
         """Plan the replay after a reattach; the server received up to ``last_received``.
 
         Frees what the server has, and returns the rest in order. Raises
-        ReattachImpossibleError when the window is off, or when the server
-        claims fewer commands than it confirmed or more than were sent.
+        ReattachImpossibleError when ``reattach_refusal`` gives a reason.
         """
-        if not self.enabled:
-            raise ReattachImpossibleError("the confirmation window is off (size -1)")
-        if last_received < self._last_confirmed:
-            raise ReattachImpossibleError(
-                f"server received up to {last_received} but had confirmed {self._last_confirmed}"
-            )
-        if last_received >= self._next_id:
-            raise ReattachImpossibleError(
-                f"server received up to {last_received} but only {self._next_id} were sent"
-            )
+        refusal = self.reattach_refusal(last_received)
+        if refusal is not None:
+            raise ReattachImpossibleError(refusal)
         if last_received >= 0:
             self.confirm(last_received)
         replay = tuple(c for c in self._entries if c.replayable)

@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hafailover.ack_modes import AckMode, ClientAckRules, TransactedAckRules
 from hafailover.errors import CallTimeoutError, ProtocolError, UnblockedError
-from hafailover.sessions import RECEIPT_EVERY, CallKind, SessionsCore
+from hafailover.sessions import RECEIPT_EVERY, CallKind, FailoverPlan, SessionsCore
 from hafailover.tx.state import TxPhase
 
 LINK = 1
@@ -115,6 +115,33 @@ def test_f9_reattach_is_refused_when_transacted_work_never_reached_the_server() 
     write(core, None, replayable=False)  # a transacted send the server never got
     assert not core.reattach_possible(0)
     assert core.reattach_possible(1)
+
+
+def test_f4_reattach_possible_agrees_with_what_failover_plans() -> None:
+    """The one decision: whenever reattach_possible says no, failover plans a reconnect
+    instead of raising; whenever it says yes, failover reattaches."""
+    for last in range(-3, 6):
+        probe = windowed_core()
+        for _ in range(3):
+            write(probe, None)
+        probe.confirmed_upto(0)
+        possible = probe.reattach_possible(last)
+        assert probe.failover(resumed=True, last_received=last).reattached is possible
+        assert possible is (0 <= last <= 2), last
+
+
+def test_f4_a_fresh_window_cannot_be_reattached_to_at_command_0() -> None:
+    # Nothing was sent: a server that claims command 0 is not this session's.
+    core = windowed_core()
+    assert not core.reattach_possible(0)
+    assert not core.failover(resumed=True, last_received=0).reattached
+    assert core.reattach_possible(-1)
+
+
+def test_f4_without_a_window_every_reattach_becomes_a_reconnect() -> None:
+    core = SessionsCore(-1)
+    assert not core.reattach_possible(-1)
+    assert not core.failover(resumed=True, last_received=-1).reattached
 
 
 def test_f3_f5_f13_reconnect_resends_stamped_sends_and_unblocks_the_rest() -> None:
@@ -254,10 +281,25 @@ class CoreUnderFailover(RuleBasedStateMachine):
             command_id = window.record(token, 10, force=True)
             core.resent_on(token, link=LINK + 1, command_id=command_id)
 
+    @rule(data=st.data())
+    def reattach_answered_inconsistently(self, data: st.DataObject) -> None:
+        """A server that claims fewer commands than it confirmed, or more than were sent:
+        the core plans a reconnect, never a fatal error, and says so beforehand."""
+        window = self.core.window
+        last = data.draw(
+            st.integers(-5, window.last_confirmed - 1)
+            | st.integers(window.next_id, window.next_id + 5)
+        )
+        assert not self.core.reattach_possible(last)
+        self._reconnected(self.core.failover(resumed=True, last_received=last))
+
     @rule()
     def reconnect(self) -> None:
+        self._reconnected(self.core.failover(resumed=False))
+
+    def _reconnected(self, plan: FailoverPlan) -> None:
         core = self.core
-        plan = core.failover(resumed=False)
+        assert not plan.reattached
         assert set(plan.resend) | set(plan.unblock) == set(self.waiting)
         assert not set(plan.resend) & set(plan.unblock)
         for token in plan.resend:
