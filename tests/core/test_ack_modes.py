@@ -177,6 +177,47 @@ def test_f8_recover_after_failover_succeeds_and_cleans() -> None:
     assert rules.acknowledge(fresh).tags == ("n2",)
 
 
+@pytest.mark.parametrize("mode", [AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL])
+@pytest.mark.parametrize("second", ["reconnect", "reattach"])
+def test_f8_a_dirty_session_stays_dirty_through_a_second_failover(
+    mode: AckMode, second: str
+) -> None:
+    """Nothing was acknowledged or recovered between two failovers: the second one finds
+    no unacknowledged message, and the session must still be dirty."""
+    rules = rules_for(mode, 1)
+    old = rules.delivered("m0")
+    assert rules.failover(reattached=False).dirty
+    outcome = rules.failover(reattached=second == "reattach")
+    assert outcome.dirty or second == "reattach"
+    assert isinstance(rules, ClientAckRules) and rules.dirty
+    decision = rules.acknowledge(old)
+    assert decision.action is AckAction.RAISE
+    assert decision.code is ErrorCode.ACKNOWLEDGE_STALE
+    assert not rules.dirty  # the implicit recover cleaned it
+
+
+@pytest.mark.parametrize("mode", [AckMode.AUTO, AckMode.DUPS_OK])
+def test_a_listener_that_raises_gives_its_message_back_in_the_automatic_modes(
+    mode: AckMode,
+) -> None:
+    rules = rules_for(mode, 1)
+    delivery = rules.delivered("t1")
+    decision = rules.listener_failed(delivery)
+    assert decision.action is AckAction.REDELIVER and decision.tags == ("t1",)
+    # One of a session a reconnect replaced: the broker delivers it again anyway.
+    stale = rules.delivered("t2")
+    rules.failover(reattached=False)
+    assert rules.listener_failed(stale).action is AckAction.NOTHING
+
+
+@pytest.mark.parametrize(
+    "mode", [AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL, AckMode.SESSION_TRANSACTED]
+)
+def test_a_listener_that_raises_leaves_the_message_to_the_application(mode: AckMode) -> None:
+    rules = rules_for(mode, 1)
+    assert rules.listener_failed(rules.delivered("t1")).action is AckAction.NOTHING
+
+
 def test_f8_clean_client_session_fails_over_silently() -> None:
     rules = rules_for(AckMode.CLIENT, 1)
     acked = rules.delivered("m0")

@@ -1,7 +1,8 @@
 """AUTO_ACKNOWLEDGE (F6), DUPS_OK_ACKNOWLEDGE (F7) and no-ack sessions.
 
 AUTO: each message is acknowledged as receive() returns or the listener
-finishes. Only the last delivered message can be caught by a failover; its
+finishes; a message whose listener raised is not acknowledged but given back for
+redelivery (JMS), in DUPS_OK too. Only the last delivered message can be caught by a failover; its
 acknowledgement cannot be sent to the new session, so it is reported: receive()
 raises AcknowledgeFailed (the broker will redeliver the message) and for a
 listener the exception listener is told. DUPS_OK: the same, but silently,
@@ -126,6 +127,14 @@ class AutoAckRules(AckRules):
         if self.is_stale(delivery):
             return self._stale()
         return AckDecision(AckAction.SEND, (delivery.tag,))
+
+    def listener_failed(self, delivery: Delivery) -> AckDecision:
+        # Not acknowledged, given back: the broker delivers it again (with its delivery
+        # count raised), as JMS has it for a listener that throws. A delivery of a session
+        # a reconnect replaced needs nothing: the broker delivers it again anyway.
+        if self.is_stale(delivery):
+            return AckDecision(AckAction.NOTHING)
+        return AckDecision(AckAction.REDELIVER, (delivery.tag,))
 
     def acknowledge_not_sent(self) -> AckDecision:
         # The broker will deliver the message again: AUTO says so, DUPS_OK stays silent.

@@ -46,6 +46,7 @@ class AckAction(enum.Enum):
     NOTHING = "nothing"  # nothing to send (already acknowledged, or not this mode's job)
     DROP = "drop"  # stale and silently dropped (the mode allows duplicates)
     RAISE = "raise"  # report ``code``; with ``recover`` the session recovers first
+    REDELIVER = "redeliver"  # give ``tags`` back: the broker delivers them again
 
 
 @attrs.frozen
@@ -100,6 +101,13 @@ class AckRules:
 
     def after_delivery(self, delivery: Delivery) -> AckDecision:
         """receive() returned or a listener finished: the automatic acknowledge, if any."""
+        return AckDecision(AckAction.NOTHING)
+
+    def listener_failed(self, delivery: Delivery) -> AckDecision:
+        """A message listener raised on this delivery. The message was not delivered
+        successfully; in the modes that acknowledge automatically it goes back to the
+        broker for redelivery (JMS). Elsewhere the application acknowledges, commits or
+        recovers as it would have: nothing happens here."""
         return AckDecision(AckAction.NOTHING)
 
     def acknowledge_not_sent(self) -> AckDecision:

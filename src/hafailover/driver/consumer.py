@@ -219,6 +219,22 @@ class Consumer:
                     "not be sent; it may be delivered again",
                 )
 
+    def _listener_failed(self, message: Message) -> None:
+        """Under the lock: this consumer's listener raised on ``message``; the session's
+        rules say whether it goes back to the broker (AUTO, DUPS_OK) or stays the
+        application's to acknowledge, commit or recover."""
+        session = self.session
+        delivery = message.delivery
+        if delivery is None:
+            return
+        decision = session.rules.listener_failed(delivery)
+        if decision.action is not AckAction.REDELIVER:
+            return
+        if self._dedup is not None and self._remembered_at is Remembered.AT_DELIVERY:
+            self._dedup.forget(message.message_id)  # its redelivery is no duplicate
+        session._forget_seen(decision.tags)
+        session._give_back(decision.tags)
+
     def _acknowledge_now(
         self, link: Link, tags: tuple[str, ...], message: Message
     ) -> HaFailoverError | None:

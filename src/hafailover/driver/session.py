@@ -413,7 +413,10 @@ class Session(Transactions):
                 with tracing.processing(consumer, message):
                     listener(message)
             except Exception:
-                log.exception("a message listener raised; the message counts as delivered")
+                log.exception("a message listener raised; the rules decide the message's fate")
+                with connection._cond:
+                    consumer._listener_failed(message)
+                continue
             try:
                 consumer._after_delivery(message)
             except HaFailoverError as exc:
