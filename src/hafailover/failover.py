@@ -28,7 +28,17 @@ Every ``Lost`` names the link it is about. A loss can be noticed several
 times and in any order (by the reader, by a failed write on an application's
 thread, by a heartbeat, by a timeout): only the first notice about the current
 link counts; notices about a link already replaced are ignored here, in one
-place.
+place. While connecting or failing over, a ``Lost`` about another link may be
+about the link an attempt is opening right now, which dies before the driver
+makes it current: the machine remembers it (``link_known_lost``), and a
+``Connected`` for a link known dead is a failed attempt (the machine stays
+where it is and the schedule goes on), never a restore on a dead link that
+nobody would report again.
+
+A loss the listener has not yet heard about stays owed until its outcome is
+known (``loss_untold``): however reconnection ends, by success, exhaustion, or
+a driver bug that moved the machine to FAILED, the ``Exhausted`` that ends it
+tells the listener DISCONNECT (F2, F10), once.
 
 The machine does no I/O. ``handle(event)`` returns the effects the driver must
 carry out, in order; ``admit()`` tells a call that needs the network whether to
@@ -45,7 +55,8 @@ Effects, in the order they are returned:
 - F1: calls parked by stop-the-world are woken to re-check ``admit()``.
 - F10: the exception listener hears about every loss exactly once, when its
   outcome is known: FAILOVER (with reattached or not) or DISCONNECT.
-- F2: when attempts run out, pending and later calls fail with DISCONNECT.
+- F2: when attempts run out, or reconnection ends for any other reason, pending
+  and later calls fail with DISCONNECT and the listener hears it.
 - F12: the first connection failing ends in FAILED with NOT_CONNECTED and no
   listener call (there was no connection to lose).
 """
@@ -268,6 +279,30 @@ def _learn(machine: FailoverMachine, event: Event) -> _Outcome:
     return [LearnTopology(event.endpoints)], machine.state
 
 
+def _attempt_opened(handler: _Handler) -> _Handler:
+    """A Connected about a link already reported lost is a failed attempt: the machine
+    stays where it is (the driver's attempt fails and the schedule makes the next one)."""
+
+    def handle(machine: FailoverMachine, event: Event) -> _Outcome:
+        assert isinstance(event, Connected)
+        if event.link in machine.lost_links:
+            return [], machine.state
+        machine.lost_links.clear()
+        return handler(machine, event)
+
+    return handle
+
+
+def _lost_while_connecting(machine: FailoverMachine, event: Event) -> _Outcome:
+    """While no link is current, a Lost may be about the link an attempt is opening:
+    remember it, so that the attempt cannot restore a dead link. (A notice about the
+    link the failover started from changes nothing: it was counted.)"""
+    assert isinstance(event, Lost)
+    if event.link != machine.link or machine.state is S.CONNECTING:
+        machine.lost_links.add(event.link)
+    return [], machine.state
+
+
 def _first_connected(machine: FailoverMachine, event: Event) -> _Outcome:
     assert isinstance(event, Connected)
     machine.ever_connected = True
@@ -297,6 +332,7 @@ def _lost_while_up(machine: FailoverMachine, event: Event) -> _Outcome:
     assert isinstance(event, Lost)
     if machine.reconnect_enabled:
         machine.failovers_started += 1
+        machine.loss_untold = True
         return [StartReconnect()], S.FAILING_OVER
     return [
         CloseTransport(),
@@ -320,6 +356,7 @@ def _restored(machine: FailoverMachine, event: Event) -> _Outcome:
     connected = machine.restoring
     assert connected is not None
     machine.restoring = None
+    machine.loss_untold = False
     machine.failovers_completed += 1
     plan = connected.plan
     effects: list[Effect] = []
@@ -341,11 +378,21 @@ def _lost_while_restoring(machine: FailoverMachine, event: Event) -> _Outcome:
 
 def _failover_exhausted(machine: FailoverMachine, event: Event) -> _Outcome:
     assert isinstance(event, Exhausted)
+    machine.loss_untold = False
+    machine.restoring = None
     return [
         FailPendingCalls(ErrorCode.DISCONNECT),
         WakeBlockedCalls(),
         NotifyListener(ErrorCode.DISCONNECT, reason=event.reason),
     ], S.FAILED
+
+
+def _exhausted_after_failure(machine: FailoverMachine, event: Event) -> _Outcome:
+    """FAILED already. If it got there in the middle of a failover (an illegal event: a
+    driver bug), the loss was never told: reconnection ending tells it now (F2, F10)."""
+    if not machine.loss_untold:
+        return [], machine.state
+    return _failover_exhausted(machine, event)
 
 
 def _close(effects: list[Effect]) -> _Handler:
@@ -356,18 +403,18 @@ def _close(effects: list[Effect]) -> _Handler:
 
 
 _TABLE: Final[Mapping[tuple[FailoverState, type], _Handler]] = {
-    (S.CONNECTING, Connected): _first_connected,
+    (S.CONNECTING, Connected): _attempt_opened(_first_connected),
     # The schedule reports failed attempts itself; a Lost here is a transport
-    # that died during the handshake, which is just another failed attempt.
-    (S.CONNECTING, Lost): _stay([]),
+    # that died during the handshake or right after it: that attempt failed.
+    (S.CONNECTING, Lost): _lost_while_connecting,
     (S.CONNECTING, Exhausted): _initial_exhausted,
     (S.CONNECTING, TopologyAnnounced): _learn,
     (S.CONNECTING, CloseRequested): _close([CancelReconnect()]),
     **{(up, Lost): _stale_or(_lost_while_up) for up in _UP},
     **{(up, TopologyAnnounced): _learn for up in _UP},
     **{(up, CloseRequested): _close([CloseTransport()]) for up in _UP},
-    (S.FAILING_OVER, Connected): _failed_over,
-    (S.FAILING_OVER, Lost): _stay([]),
+    (S.FAILING_OVER, Connected): _attempt_opened(_failed_over),
+    (S.FAILING_OVER, Lost): _lost_while_connecting,
     (S.FAILING_OVER, Exhausted): _failover_exhausted,
     (S.FAILING_OVER, TopologyAnnounced): _learn,
     (S.FAILING_OVER, CloseRequested): _close([CancelReconnect()]),
@@ -381,7 +428,8 @@ _TABLE: Final[Mapping[tuple[FailoverState, type], _Handler]] = {
     **{(end, Connected): _stay([CloseTransport()]) for end in (S.FAILED, S.CLOSED)},
     **{(end, Lost): _stay([]) for end in (S.FAILED, S.CLOSED)},
     **{(end, Restored): _stay([]) for end in (S.FAILED, S.CLOSED)},
-    **{(end, Exhausted): _stay([]) for end in (S.FAILED, S.CLOSED)},
+    (S.FAILED, Exhausted): _exhausted_after_failure,
+    (S.CLOSED, Exhausted): _stay([]),
     **{(end, TopologyAnnounced): _stay([]) for end in (S.FAILED, S.CLOSED)},
     (S.FAILED, CloseRequested): lambda machine, event: ([WakeBlockedCalls()], S.CLOSED),
     (S.CLOSED, CloseRequested): _stay([]),
@@ -397,6 +445,8 @@ class FailoverMachine:
         "failovers_completed",
         "failovers_started",
         "link",
+        "loss_untold",
+        "lost_links",
         "reconnect_enabled",
         "restoring",
         "state",
@@ -411,10 +461,25 @@ class FailoverMachine:
         self.failovers_completed = 0
         self.link = 0  # the current link's serial
         self.restoring: Connected | None = None  # the connection being restored
+        # Links reported lost while not current (an attempt's link that died while being
+        # opened), until a link is restored; and whether a loss awaits its listener call.
+        self.lost_links: set[int] = set()
+        self.loss_untold = False
 
     @property
     def is_up(self) -> bool:
         return self.state in _UP
+
+    @property
+    def finished(self) -> bool:
+        """FAILED or CLOSED: no attempt can bring the connection back."""
+        return self.state in (FailoverState.FAILED, FailoverState.CLOSED)
+
+    def link_known_lost(self, link: int) -> bool:
+        """Was ``link``, not yet current, reported lost? Then an attempt that opened it
+        failed: it must not be planned for or restored (asked before the plan is made,
+        since making one changes the sessions core)."""
+        return link in self.lost_links
 
     def handle(self, event: Event) -> list[Effect]:
         """Apply one event; return the effects to carry out, in order."""

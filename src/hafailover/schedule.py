@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import attrs
 import tenacity
 
-from hafailover.errors import LocalError, SecurityError
+from hafailover.errors import ConfigurationError, SecurityError
 from hafailover.url import BrokerAddress, FailoverMethod, FailoverPolicy
 
 __all__ = [
@@ -164,6 +164,11 @@ class _StopWhen(tenacity.stop.stop_base):
         return self._predicate()
 
 
+# What no further attempt can fix: the broker refused the credentials, or the
+# configuration is wrong. Everything else an attempt raises is retried.
+_NOT_RETRYABLE: Final = (ConfigurationError, SecurityError)
+
+
 class ReconnectSchedule:
     """Runs connection attempts by the policy, with injected sleep and randomness."""
 
@@ -215,8 +220,12 @@ class ReconnectSchedule:
         """Call ``connect(broker, attempt_number)`` until it returns.
 
         Raises AttemptsExhausted when the allowed attempts all failed and
-        ReconnectCancelled when ``cancelled()`` turns true. Errors that a retry
-        cannot fix (local misuse, refused credentials) propagate at once.
+        ReconnectCancelled when ``cancelled()`` turns true. Only errors that no retry
+        can fix propagate at once: refused credentials (SecurityError) and a
+        configuration the broker cannot take (ConfigurationError). Any other failure
+        of an attempt, including a local one (an illegal state met while connecting,
+        a bug), is one failed attempt: giving up on it would end reconnection for a
+        cause the next attempt may not meet.
         """
         allowed = self.attempts_allowed(initial=initial)
         if allowed == 0:
@@ -243,7 +252,7 @@ class ReconnectSchedule:
             stop=stop,
             wait=self._wait,
             sleep=sleep_and_note,
-            retry=tenacity.retry_if_not_exception_type((LocalError, SecurityError)),
+            retry=tenacity.retry_if_not_exception_type(_NOT_RETRYABLE),
             after=after,
             reraise=False,
         )

@@ -159,6 +159,62 @@ def test_a_link_lost_while_restored_fails_that_attempt_only() -> None:
     assert sum(isinstance(e, NotifyListener) for e in effects) == 1
 
 
+@pytest.mark.parametrize("state", [S.CONNECTING, S.FAILING_OVER])
+def test_a_link_lost_while_being_opened_is_a_failed_attempt_not_a_restore(
+    state: FailoverState,
+) -> None:
+    """The loss of the link an attempt is opening can be reported (by its reader or its
+    heartbeat) before the driver makes it current. It is remembered: its Connected is a
+    failed attempt, so the machine never restores a dead link whose loss nobody will
+    report again (issue 17: a consumer that waits in receive() then waits for ever)."""
+    m = machine_in(state)
+    before = m.link
+    assert m.handle(Lost("connection closed", link=5)) == []
+    assert m.state is state and m.link_known_lost(5)
+    plan = FailoverPlan(reattached=True)
+    assert m.handle(Connected(BACKUP, resumed=True, plan=plan, link=5)) == []
+    assert m.state is state and m.link == before and m.admit() == (Admission.WAIT, None)
+    # The next attempt's link is restored as usual, and forgets the dead one.
+    effects = m.handle(Connected(LIVE, resumed=True, plan=plan, link=6))
+    assert m.link == 6 and not m.link_known_lost(5)
+    if state is S.FAILING_OVER:
+        assert effects == [ReattachSessions(plan)] and m.state is S.RESTORING
+    else:
+        assert effects == [WakeBlockedCalls()] and m.state is S.CONNECTED
+
+
+def test_a_late_notice_about_the_link_the_failover_started_from_is_not_remembered() -> None:
+    m = machine_in(S.CONNECTED)
+    m.handle(Lost("write failed", link=m.link))
+    assert m.handle(Lost("connection closed", link=m.link)) == []
+    assert not m.link_known_lost(m.link)
+
+
+def test_f2_f10_a_driver_bug_in_the_middle_of_a_failover_still_tells_the_listener() -> None:
+    """An illegal event while failing over moves the machine to FAILED with the loss not
+    yet told; the Exhausted that ends reconnection tells it, once, and fails the calls."""
+    m = machine_in(S.FAILING_OVER)
+    with pytest.raises(FailoverStateError):
+        m.handle(Restored())
+    assert m.state is S.FAILED
+    assert m.handle(Exhausted(1, "a bug")) == [
+        FailPendingCalls(ErrorCode.DISCONNECT),
+        WakeBlockedCalls(),
+        NotifyListener(ErrorCode.DISCONNECT, reason="a bug"),
+    ]
+    assert m.handle(Exhausted(1, "again")) == []
+    assert m.admit() == (Admission.RAISE, ErrorCode.DISCONNECT)
+
+
+def test_a_machine_that_failed_with_nothing_untold_stays_silent() -> None:
+    m = machine_in(S.FAILED)
+    assert m.handle(Exhausted(1, "late")) == []
+    m = machine_in(S.RECONNECTED)
+    with pytest.raises(FailoverStateError):
+        m.handle(Restored())
+    assert m.handle(Exhausted(1, "late")) == []
+
+
 def test_f2_exhausted_disconnects_everyone() -> None:
     m = machine_in(S.FAILING_OVER)
     effects = m.handle(Exhausted(5, "refused"))
@@ -254,8 +310,10 @@ def test_every_state_and_input_is_legal_or_a_clean_error(
     m = machine_in(state, reconnect=reconnect)
     listener_calls = 0
     losses = 0
+    owed = 1 if state in (S.FAILING_OVER, S.RESTORING) else 0
     for event in inputs:
         before = m.state
+        known_dead = isinstance(event, Connected) and m.link_known_lost(event.link)
         try:
             effects = m.handle(event)
         except FailoverStateError:
@@ -284,5 +342,14 @@ def test_every_state_and_input_is_legal_or_a_clean_error(
         # Terminal states stay terminal.
         if before in (S.FAILED, S.CLOSED):
             assert m.state in (S.FAILED, S.CLOSED)
+        # A link reported lost before it was current is never restored.
+        if known_dead and before in (S.CONNECTING, S.FAILING_OVER):
+            assert effects == [] and m.state is before
     # F10: the listener never hears more than once per lost connection.
-    assert listener_calls <= losses + (1 if state in (S.FAILING_OVER, S.RESTORING) else 0)
+    assert listener_calls <= losses + owed
+    # F2, F10: once reconnection ends, every loss has been told (unless closed first).
+    if m.is_up:
+        return  # no reconnection running to end
+    listener_calls += sum(isinstance(e, NotifyListener) for e in m.handle(Exhausted(1, "the end")))
+    if m.state is S.FAILED and m.ever_connected:
+        assert listener_calls == losses + owed

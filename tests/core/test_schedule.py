@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hafailover.errors import ConfigurationError, SecurityError
+from hafailover.errors import (
+    ConfigurationError,
+    ConnectionClosedError,
+    IllegalStateError,
+    SecurityError,
+)
 from hafailover.schedule import AttemptsExhausted, ReconnectCancelled, ReconnectSchedule
 from hafailover.url import BrokerAddress, FailoverPolicy, parse_url
 from tests.strategies import policies
@@ -172,6 +177,33 @@ def test_errors_a_retry_cannot_fix_propagate_at_once() -> None:
         with pytest.raises(type(error)):
             s.run(refuse, initial=False, sleep=lambda d: None, cancelled=lambda: False)
         assert calls == [1]
+
+
+def test_any_other_failure_of_an_attempt_is_retried() -> None:
+    """An attempt that meets a local error (an illegal state while connecting, the AMQP
+    reader-thread guard, a bug) is one failed attempt: ending reconnection on it would
+    leave a connection that could come back for good without one (issue 17)."""
+    s = schedule("stomp://a?reconnect_attempts=-1")
+    for error in (
+        IllegalStateError("waiting on the reader thread would deadlock"),
+        ConnectionClosedError("closed"),
+        RuntimeError("a bug"),
+    ):
+        calls: list[int] = []
+
+        def fail_twice(
+            broker: BrokerAddress, attempt: int, error: Exception = error, calls: list[int] = calls
+        ) -> str:
+            calls.append(attempt)
+            if attempt <= 2:
+                raise error
+            return "connected"
+
+        assert (
+            s.run(fail_twice, initial=False, sleep=lambda d: None, cancelled=lambda: False)
+            == "connected"
+        )
+        assert calls == [1, 2, 3]
 
 
 def test_topology_adds_announced_brokers_with_current_credentials() -> None:

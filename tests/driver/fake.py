@@ -26,7 +26,7 @@ import attrs
 from hafailover._links import LinkEvents
 from hafailover.adapters.base import Opened
 from hafailover.destination import Destination
-from hafailover.errors import NotConnectedError
+from hafailover.errors import IllegalStateError, NotConnectedError
 from hafailover.message import Message
 from hafailover.url import BrokerAddress, FailoverPolicy
 from hafailover.window import ConfirmationWindow
@@ -78,8 +78,16 @@ class FakeBroker:
         self.sessions: dict[str, ServerSession] = {}
         self.links: list[FakeLink] = []
         # How the next connection attempts are answered: "reattach" (if the session is
-        # held), "fresh" (a new session: the old one is dropped), "refuse".
+        # held), "fresh" (a new session: the old one is dropped), "refuse", "illegal" (the
+        # attempt meets a local error, as amqp_io's reader-thread guard raises one), and
+        # "reattach, then reported lost" / "fresh, then reported lost": opens, then dies
+        # and its reader reports it before open() returns, i.e. before the driver has
+        # made it the connection's. ``refuse_until`` (a time.monotonic() value): every
+        # attempt before it is refused, as a backup that has not taken over yet refuses,
+        # whatever ``answers`` holds.
         self.answers: collections.deque[str] = collections.deque()
+        self.refuse_until = 0.0
+        self.refused = 0  # attempts refused so far
         self.violations: list[str] = []
         self._session_ids = itertools.count(1)
         self._tags = itertools.count(1)
@@ -123,13 +131,25 @@ class FakeBroker:
 
     def open(self, link: FakeLink, resume: str | None) -> Opened:
         with self.lock:
+            if time.monotonic() < self.refuse_until:
+                self.refused += 1
+                raise NotConnectedError("[Errno 111] Connection refused (not active yet)")
             answer = self.answers.popleft() if self.answers else "reattach"
             if answer == "fresh, then lost":
                 # Opens, then dies before the driver has restored its sessions on it.
                 answer = "fresh"
                 link.dies_after_open = True
+            elif answer.endswith(", then reported lost"):
+                answer = answer.split(",")[0]
+                link.reported_lost_after_open = True
             if answer == "refuse":
+                self.refused += 1
                 raise NotConnectedError("the fake broker refused the connection")
+            if answer == "illegal":
+                raise IllegalStateError(
+                    "a call that waits for the broker, made on the thread that reads its "
+                    "answers, would never end"
+                )
             held = self.sessions.get(resume) if resume is not None else None
             if answer == "fresh" and held is not None:
                 self._drop_session(held)
@@ -290,6 +310,7 @@ class FakeLink:
         self.session: ServerSession | None = None
         self.dead = False
         self.dies_after_open = False
+        self.reported_lost_after_open = False
         self.wire: collections.deque[Frame] = collections.deque()
         self.answers: collections.deque[int] = collections.deque()
         self.deliveries: collections.deque[tuple[str, str, Message]] = collections.deque()
@@ -304,6 +325,10 @@ class FakeLink:
         self.windowed = opened.session_id is not None and self.window.enabled
         if self.dies_after_open:
             self.dead = True
+        if self.reported_lost_after_open:
+            # Its reader sees the socket close before open() has returned to the driver.
+            for thread in self.lose(noticed_by=("reader",)):
+                thread.join(5)
         return opened
 
     def _write(self, frame: Frame, *, replayable: bool = True, resendable: bool = False) -> int:

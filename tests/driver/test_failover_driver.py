@@ -8,6 +8,7 @@ being restored, refused and exhausted attempts. Here the test decides every step
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,14 @@ from hafailover import (
     FailoverNotice,
     HaFailoverError,
     UnblockedError,
+)
+from hafailover.failover import (
+    Connected,
+    Effect,
+    Event,
+    FailoverMachine,
+    FailoverState,
+    Restored,
 )
 
 from .fake import FakeBroker, FakeLink, link_factory
@@ -225,3 +234,141 @@ def test_f3_a_reconnect_releases_an_unstamped_send_as_in_doubt(
         pending.result(5)
     assert pending.message is not None
     assert connection.reports[0].in_doubt == (pending.message.message_id,)
+
+
+def put(broker: FakeBroker, queue: str, text: str) -> None:
+    """A message another client sent, waiting on the broker."""
+    message = hafailover.Message(body=text)
+    message.ensure_message_id()
+    with broker.lock:
+        broker.queues[queue].append(message)
+
+
+def receive_text(consumer: hafailover.Consumer, text: str, timeout: float = 5.0) -> None:
+    """Receive until the message ``text`` comes (redeliveries of earlier ones are
+    acknowledged and skipped); fail if it does not come in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            message = consumer.receive(0.05)
+        except HaFailoverError:
+            continue
+        if message is None:
+            continue
+        with contextlib.suppress(HaFailoverError):  # F8: stale after the failover
+            message.acknowledge()
+        if message.text == text:
+            return
+    raise AssertionError(f"{text!r} never arrived: the consumer stalled")
+
+
+def consumer_sees_a_write_notice_loss(
+    broker: FakeBroker,
+    heard: Heard,
+    closing: list[hafailover.Connection],
+    *,
+    refused_for: float,
+    answers: list[str],
+) -> tuple[hafailover.Connection, hafailover.Consumer]:
+    """A CLIENT consumer whose link dies silently; the first notice is the write of its
+    acknowledge (``[Errno 9] Bad file descriptor``), as in issue 17. Then every attempt
+    is refused for ``refused_for`` seconds, and ``answers`` follow."""
+    connection = open_connection(broker, heard, reconnect_attempts=-1)
+    closing.append(connection)
+    consumer = connection.create_session(AckMode.CLIENT).create_consumer("queue://work")
+    connection.start()
+    put(broker, "work", "before")
+    message = consumer.receive(5)
+    assert message is not None and message.text == "before"
+    broker.refuse_until = time.monotonic() + refused_for
+    broker.answers.extend(answers)
+    broker.current().lose(noticed_by=("writer",))  # the reader never says a word
+    # The write fails: the first notice of the loss (F8: the message comes again).
+    with contextlib.suppress(HaFailoverError):
+        message.acknowledge()
+    return connection, consumer
+
+
+@pytest.mark.parametrize("answer", ["reattach", "fresh"])
+def test_issue_17_a_link_reported_lost_while_an_attempt_opens_it_is_not_restored(
+    broker: FakeBroker, heard: Heard, closing: list[hafailover.Connection], answer: str
+) -> None:
+    """Attempts are refused for a while (a backup that has not taken over); then one
+    opens a link whose reader reports it lost before the driver has made it the
+    connection's. That notice must fail the attempt: restored on the dead link, a
+    consumer waiting in receive() writes nothing, and nothing reports the loss again."""
+    connection, consumer = consumer_sees_a_write_notice_loss(
+        broker, heard, closing, refused_for=0.3, answers=[f"{answer}, then reported lost", answer]
+    )
+    put(broker, "work", "after")
+    receive_text(consumer, "after")
+    assert broker.refused >= 1
+    assert connection.statistics().failovers == 1
+    report = connection.reports[0]
+    assert "Bad file descriptor" in report.reason
+    assert report.attempts >= broker.refused + 2  # the refused ones, the dead one, the good one
+    wait_until(lambda: len(heard.errors) == 1, "the listener")
+    assert isinstance(heard.errors[0], FailoverNotice)
+    assert not broker.current().dead
+
+
+def test_issue_17_the_first_connection_does_not_take_a_link_reported_lost_while_opening(
+    broker: FakeBroker, heard: Heard, closing: list[hafailover.Connection]
+) -> None:
+    broker.answers.extend(["fresh, then reported lost", "fresh"])
+    connection = open_connection(broker, heard, initial_connect_attempts=3)
+    closing.append(connection)
+    consumer = connection.create_session(AckMode.CLIENT).create_consumer("queue://work")
+    connection.start()
+    put(broker, "work", "first")
+    receive_text(consumer, "first")
+    assert len(broker.links) == 2 and broker.links[0].dead and not broker.current().dead
+    # The dead link was never the connection's: no failover, nothing to tell (F12).
+    assert connection.statistics().failovers == 0 and heard.errors == []
+
+
+def test_issue_17_a_local_error_inside_an_attempt_is_retried_not_the_end(
+    broker: FakeBroker, heard: Heard, closing: list[hafailover.Connection]
+) -> None:
+    """An attempt that meets a local error (here amqp_io's reader-thread guard) is one
+    failed attempt; it used to end reconnection with reconnect_attempts=-1."""
+    connection, consumer = consumer_sees_a_write_notice_loss(
+        broker, heard, closing, refused_for=0.2, answers=["illegal", "reattach"]
+    )
+    put(broker, "work", "after")
+    receive_text(consumer, "after")
+    assert connection.statistics().failovers == 1
+    wait_until(lambda: len(heard.errors) == 1, "the listener")
+    assert isinstance(heard.errors[0], FailoverNotice)
+
+
+def test_f2_f10_reconnection_that_ends_on_a_driver_bug_tells_the_listener(
+    broker: FakeBroker,
+    heard: Heard,
+    closing: list[hafailover.Connection],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """However reconnection ends, blocked calls fail with DISCONNECT and the listener
+    hears it: never a connection that silently stops trying."""
+    connection = open_connection(broker, heard, reconnect_attempts=-1)
+    closing.append(connection)
+    producer = connection.create_session().create_producer("queue://orders")
+    handle = FailoverMachine.handle
+
+    def buggy(machine: FailoverMachine, event: Event) -> list[Effect]:
+        # A driver bug: an event the machine has no transition for, mid-failover.
+        if isinstance(event, Connected) and machine.state is FailoverState.FAILING_OVER:
+            return handle(machine, Restored())
+        return handle(machine, event)
+
+    monkeypatch.setattr(FailoverMachine, "handle", buggy)
+    broker.answers.append("reattach")
+    with broker.paused():
+        pending = producer.send_async("in flight")
+        lose(broker.current(), "reader")
+    with pytest.raises(DisconnectedError):
+        pending.result(5)
+    wait_until(lambda: len(heard.errors) == 1, "the listener")
+    assert isinstance(heard.errors[0], DisconnectedError)
+    with pytest.raises(DisconnectedError):
+        producer.send("later")

@@ -63,9 +63,7 @@ from hafailover.errors import (
     ErrorCode,
     FailoverNotice,
     HaFailoverError,
-    LocalError,
     NotConnectedError,
-    SecurityError,
     UnblockedError,
 )
 from hafailover.failover import (
@@ -303,9 +301,16 @@ class Connection(Calls, LinkEventHandlers):
             lambda broker, n: self._attempt(broker, n, initial=initial),
             initial=initial,
             sleep=self._cancellable_sleep,
-            cancelled=self._cancel.is_set,
+            cancelled=self._reconnect_over,
             on_failure=self._attempt_failed,
         )
+
+    def _reconnect_over(self) -> bool:
+        """close() was called, or the machine ended (no attempt can bring it back)."""
+        if self._cancel.is_set():
+            return True
+        with self._cond:
+            return self._machine.finished
 
     def _open(self) -> None:
         try:
@@ -337,13 +342,17 @@ class Connection(Calls, LinkEventHandlers):
                     link.close()
                     link = self._make_opening_link()
                     opened = link.open(broker, resume=None)
-            self._prepare(link, opened, initial=initial)
+            restored = self._prepare(link, opened, initial=initial)
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 link.abort()
-            # If it was being restored, the machine goes back to failing over.
+            # The machine remembers the link as dead; if it was being restored, it goes
+            # back to failing over.
             self.link_lost(link, f"failover attempt failed: {exc}")
             raise
+        # Restored: from here nothing may fail the attempt (a second schedule would start
+        # beside this one), so what the restore released runs outside the try.
+        run_deferred(restored)
         log.debug("connected to %s (resumed=%s)", broker.redacted(), opened.resumed)
 
     def _make_opening_link(self) -> Link:
@@ -365,11 +374,17 @@ class Connection(Calls, LinkEventHandlers):
         if self._cancel.wait(seconds):
             raise ReconnectCancelled()
 
-    def _prepare(self, link: Link, opened: Opened, *, initial: bool) -> None:
-        """Make ``link`` the connection's: plan the failover, carry the plan out, restore."""
+    def _prepare(self, link: Link, opened: Opened, *, initial: bool) -> list[Deferred]:
+        """Make ``link`` the connection's: plan the failover, carry the plan out, restore.
+        Raises if the link was lost meanwhile; returns what the restore released, to run
+        once the attempt has succeeded."""
         with self._cond:
             if self._closing:
                 raise ReconnectCancelled()
+            if self._machine.link_known_lost(link.serial):
+                # Reported lost between open() and now: a failed attempt, asked before the
+                # plan is made (making one changes the sessions core).
+                raise NotConnectedError(f"{opened.broker.redacted()} was lost while connecting")
             self._link = link
             if opened.topology and self.policy.use_topology:
                 self._apply(self._machine.handle(TopologyAnnounced(opened.topology)))
@@ -382,8 +397,7 @@ class Connection(Calls, LinkEventHandlers):
             if initial:
                 self._core.first_connection()
                 self._take_early_deliveries(link)
-                self._apply(self._machine.handle(Connected(opened.broker, link=link.serial)))
-                return
+                return self._apply(self._machine.handle(Connected(opened.broker, link=link.serial)))
             self._degraded = (() if link.windowed else ("reattach",)) + (
                 ("duplicate detection",)
                 if self.policy.duplicate_detection and not opened.detects_duplicates
@@ -403,20 +417,27 @@ class Connection(Calls, LinkEventHandlers):
                 raise NotConnectedError(f"{opened.broker.redacted()} was lost during failover")
             if opened.resumed:
                 self._reattached += 1
-            after = self._apply(machine.handle(Restored()))
-        run_deferred(after)
+            return self._apply(machine.handle(Restored()))
 
     def _run_reconnect(self) -> None:
+        """The reconnect thread. However the schedule ends short of success (attempts used
+        up, an error no retry can fix, close(), a bug), the machine hears Exhausted: pending
+        calls fail and the listener hears DISCONNECT unless close() came first (F2, F10)."""
         try:
             self._run_schedule(initial=False)
+        except AttemptsExhausted as exc:
+            attempts, reason = exc.attempts, str(exc.last_error)
         except ReconnectCancelled:
-            return
-        except (AttemptsExhausted, LocalError, SecurityError) as exc:
-            reason = str(exc.last_error) if isinstance(exc, AttemptsExhausted) else str(exc)
-            attempts = exc.attempts if isinstance(exc, AttemptsExhausted) else self._attempts
-            with self._cond:
-                after = self._apply(self._machine.handle(Exhausted(attempts, reason)))
-            run_deferred(after)
+            attempts, reason = self._attempts, "reconnection ended"
+        except Exception as exc:
+            if not isinstance(exc, HaFailoverError):
+                log.exception("reconnection failed")
+            attempts, reason = self._attempts, str(exc)
+        else:
+            return  # connected
+        with self._cond:
+            after = self._apply(self._machine.handle(Exhausted(attempts, reason)))
+        run_deferred(after)
 
     # --- carrying out the machine's effects -------------------------------------------------
 
