@@ -141,3 +141,17 @@ def proxy(target_port: int) -> Iterator[TcpProxy]:
         yield p
     finally:
         p.close()
+
+
+def delay_loss_notices(monkeypatch: object, delay: float) -> None:
+    """Make the transports report a lost connection (reader, heart-beat) only ``delay``
+    seconds late, so that a write on an application's thread notices the loss first."""
+    from hafailover import _links as links
+
+    for events in (links._StompEvents, links._AmqpEvents):
+        original = events.on_lost
+
+        def late(self: object, reason: str, original: object = original) -> None:
+            threading.Timer(delay, original, args=(self, reason)).start()  # type: ignore[arg-type]
+
+        monkeypatch.setattr(events, "on_lost", late)  # type: ignore[attr-defined]
