@@ -3,22 +3,9 @@
 The public surface is what ``__all__`` names; every module behind it may change.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from hafailover.ack_modes import AckMode, LinkReliability
-from hafailover.connection import (
-    Browser,
-    Connection,
-    ConnectionEvent,
-    ConnectionStatistics,
-    Consumer,
-    FailoverCompleted,
-    FailoverFailed,
-    FailureDetected,
-    Producer,
-    SendCompletion,
-    Session,
-    TransactionBlock,
-    connect,
-)
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     AcknowledgeFailedError,
@@ -47,7 +34,56 @@ from hafailover.message import Message
 from hafailover.report import FailoverReport, SessionFailover
 from hafailover.url import BrokerAddress, FailoverMethod, FailoverPolicy, Protocol, parse_url
 
+if TYPE_CHECKING:
+    from hafailover.driver import (
+        Browser,
+        Connection,
+        ConnectionEvent,
+        ConnectionStatistics,
+        Consumer,
+        FailoverCompleted,
+        FailoverFailed,
+        FailureDetected,
+        Producer,
+        SendCompletion,
+        Session,
+        TransactionBlock,
+        connect,
+    )
+
 __version__ = "0.1.0"
+
+# The driver (threads, sockets, stomp.py and proton) loads on first use of one of its
+# names, so that the pure core (hafailover.failover, .sessions, .window, .ack_modes,
+# .tx, ...) imports without either client library.
+_DRIVER_NAMES = frozenset(
+    {
+        "Browser",
+        "Connection",
+        "ConnectionEvent",
+        "ConnectionStatistics",
+        "Consumer",
+        "FailoverCompleted",
+        "FailoverFailed",
+        "FailureDetected",
+        "Producer",
+        "SendCompletion",
+        "Session",
+        "TransactionBlock",
+        "connect",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DRIVER_NAMES:
+        from hafailover import driver
+
+        value = getattr(driver, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hafailover' has no attribute {name!r}")
+
 
 __all__ = [
     "AckMode",

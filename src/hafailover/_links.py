@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from hafailover.adapters.amqp import AmqpTransaction, Outcome
+from hafailover.adapters.amqp_io import AmqpTransport
 from hafailover.adapters.base import Opened, TlsOptions
 from hafailover.adapters.stomp import (
     DUPLICATE_ID,
@@ -30,7 +31,6 @@ from hafailover.adapters.stomp import (
     stomp_address,
 )
 from hafailover.destination import Destination, DestinationKind
-from hafailover.driver.amqp_io import AmqpTransport
 from hafailover.errors import (
     CallTimeoutError,
     NotConnectedError,
@@ -363,7 +363,7 @@ class _StompEvents:
 
 
 class AmqpLink:
-    """A link over one AMQP 1.0 connection (driver.amqp_io: proton's engine on a socket)."""
+    """A link over one AMQP 1.0 connection (adapters.amqp_io: proton's engine on a socket)."""
 
     def __init__(self, events: LinkEvents, policy: FailoverPolicy) -> None:
         self.serial = next(_SERIALS)

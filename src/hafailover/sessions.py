@@ -50,7 +50,6 @@ from hafailover.ack_modes import (
     AckMode,
     AckRules,
     FailoverOutcome,
-    TransactedAckRules,
     rules_for,
 )
 from hafailover.errors import (
@@ -430,18 +429,13 @@ class SessionsCore:
         parts: list[SessionFailover] = []
         first_session = min(self.rules, default=0)
         for session_id, rules in self.rules.items():
-            rolled_back = False
-            if isinstance(rules, TransactedAckRules):
-                was_clean = not rules.transaction.dirty
-                outcome = rules.failover(
-                    reattached=reattached,
-                    lost_work=lost_work,
-                    commit_received=commit_received.get(session_id),
-                )
-                rolled_back = outcome.dirty and not was_clean
-            else:
-                lost = () if lost_acks is None else tuple(lost_acks.get(session_id, ()))
-                outcome = rules.failover(reattached=reattached, lost_acks=lost)
+            lost = () if lost_acks is None else tuple(lost_acks.get(session_id, ()))
+            outcome = rules.failover(
+                reattached=reattached,
+                lost_acks=lost,
+                lost_work=lost_work,
+                commit_received=commit_received.get(session_id),
+            )
             outcomes[session_id] = outcome
             parts.append(
                 SessionFailover(
@@ -450,7 +444,7 @@ class SessionsCore:
                     resent=tuple(resent.get(session_id, ())),
                     in_doubt=tuple(in_doubt.get(session_id, ())),
                     stale_acks=outcome.stale,
-                    rolled_back=rolled_back,
+                    rolled_back=outcome.rolled_back,
                     dirty=outcome.dirty,
                 )
             )

@@ -30,9 +30,9 @@ from hafailover.adapters.amqp import (
     decode_message,
     encode_message,
 )
+from hafailover.adapters.amqp_io import AmqpTransport
 from hafailover.adapters.base import TlsOptions
 from hafailover.destination import Destination, DestinationKind
-from hafailover.driver.amqp_io import AmqpTransport
 from hafailover.errors import (
     ConfigurationError,
     IllegalStateError,

@@ -105,7 +105,7 @@ def test_f3_f9_reattach_after_the_server_got_the_commit_leaves_its_outcome_unkno
     assert core.reattach_possible(1)
     plan = core.failover(resumed=True, last_received=1)
     assert plan.unblock == (commit,)
-    fate = rules.transaction.commit_interrupted()
+    fate = rules.transaction.commit_cut()
     assert fate.code is not None and fate.code.value == "TRANSACTION_OUTCOME_UNKNOWN"
 
 

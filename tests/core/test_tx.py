@@ -19,7 +19,9 @@ from hafailover.tx.state import CommitDecision
 
 
 def dirty() -> TransactionState:
+    """A transaction begun on the broker with work in it."""
     tx = TransactionState()
+    tx.begun_on_broker()
     tx.work()
     return tx
 
@@ -68,6 +70,74 @@ def test_reattach_with_lost_work_rolls_back_on_the_broker() -> None:
     decision = tx.begin_commit()
     assert decision.action is CommitAction.ROLL_BACK_AND_RAISE
     assert decision.rollback_on_broker is True
+
+
+def test_the_broker_holds_a_transaction_only_once_it_was_begun_there() -> None:
+    """Receives join a transaction the broker hears of only at commit: rolling back one
+    that was never begun there is local (its deliveries are given back)."""
+    tx = TransactionState()
+    tx.work()
+    assert tx.rollback().rollback_on_broker is False
+    tx.begun_on_broker()  # begun before its first send, which then failed: still there
+    assert tx.rollback().rollback_on_broker is True
+    assert tx.rollback().rollback_on_broker is False  # ended: nothing left to roll back
+
+
+def test_a_reconnect_leaves_the_new_session_without_the_transaction() -> None:
+    tx = dirty()
+    tx.failover(reattached=False, lost_work=False)
+    assert tx.begin_commit().rollback_on_broker is False
+    tx = dirty()
+    tx.failover(reattached=True, lost_work=True)
+    assert tx.begin_commit().rollback_on_broker is True
+
+
+@pytest.mark.parametrize("begun", [False, True])
+def test_f3_a_commit_that_timed_out_unwritten_is_rolled_back_on_the_living_link(
+    begun: bool,
+) -> None:
+    tx = TransactionState()
+    if begun:
+        tx.begun_on_broker()
+    tx.work()
+    tx.begin_commit()
+    fate = tx.commit_cut(timed_out=True)
+    assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+    assert fate.rollback_on_broker is begun
+    assert isinstance(fate.error(CallTimeoutError("slow")), TransactionRolledBackError)
+    assert tx.phase is TxPhase.CLEAN
+
+
+def test_f3_a_commit_that_timed_out_written_is_outcome_unknown_and_left_alone() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    tx.commit_written()
+    fate = tx.commit_cut(timed_out=True)
+    assert fate.code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
+    assert not fate.rollback_on_broker
+
+
+def test_f9_a_commit_the_broker_refused_is_rolled_back_and_says_why() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    tx.commit_written()
+    fate = tx.commit_refused("no such transaction")
+    assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK and not fate.rollback_on_broker
+    error = fate.error()
+    assert isinstance(error, TransactionRolledBackError)
+    assert "refused the commit: no such transaction" in str(error)
+    assert tx.phase is TxPhase.CLEAN and tx.commit_fate() is None
+
+
+def test_f9_a_refused_transfer_abandons_the_commit_and_rolls_back_on_the_broker() -> None:
+    tx = dirty()
+    tx.begin_commit()
+    fate = tx.transfer_refused("queue full")
+    assert fate.action is CommitAction.ROLL_BACK_AND_RAISE
+    assert fate.rollback_on_broker is True
+    assert "refused a send of the transaction" in str(fate.error())
+    assert tx.phase is TxPhase.CLEAN
+    assert tx.begin_commit().action is CommitAction.SEND_COMMIT  # the session goes on
 
 
 def test_clean_transaction_is_untouched() -> None:
@@ -123,7 +193,7 @@ def test_f3_commit_written_and_cut_before_the_failover_is_applied_is_outcome_unk
     tx = dirty()
     tx.begin_commit()
     tx.commit_written()
-    fate = tx.commit_interrupted()
+    fate = tx.commit_cut()
     assert fate.action is CommitAction.RAISE
     assert fate.code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
     assert tx.phase is TxPhase.CLEAN
@@ -135,7 +205,7 @@ def test_f3_commit_written_and_cut_before_the_failover_is_applied_is_outcome_unk
 def test_f3_commit_cut_before_it_was_written_is_rolled_back() -> None:
     tx = dirty()
     tx.begin_commit()
-    fate = tx.commit_interrupted()
+    fate = tx.commit_cut()
     assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
     assert tx.phase is TxPhase.CLEAN
 
@@ -148,7 +218,7 @@ def test_f3_an_interrupted_commit_keeps_the_failovers_decision(written: bool) ->
         tx.commit_written()
     tx.failover(reattached=False, lost_work=False)
     tx.work()  # a new transaction began meanwhile: the interrupted commit must not touch it
-    fate = tx.commit_interrupted()
+    fate = tx.commit_cut()
     expected = (
         ErrorCode.TRANSACTION_OUTCOME_UNKNOWN if written else ErrorCode.TRANSACTION_ROLLED_BACK
     )
@@ -165,7 +235,7 @@ def test_a_fate_left_by_a_failover_never_reaches_a_later_commit() -> None:
     tx.work()
     tx.begin_commit()
     tx.commit_written()
-    assert tx.commit_interrupted().code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
+    assert tx.commit_cut().code is ErrorCode.TRANSACTION_OUTCOME_UNKNOWN
 
 
 def test_misuse_while_committing_is_an_illegal_state_and_changes_nothing() -> None:
@@ -180,6 +250,7 @@ def test_misuse_while_committing_is_an_illegal_state_and_changes_nothing() -> No
 operations = st.lists(
     st.one_of(
         st.just(("work",)),
+        st.just(("begun_on_broker",)),
         st.just(("begin_commit",)),
         st.just(("commit_written",)),
         st.just(("commit_finished",)),
@@ -202,6 +273,8 @@ def test_every_phase_and_input(ops: list[tuple[object, ...]]) -> None:
         try:
             if name == "work":
                 tx.work()
+            elif name == "begun_on_broker":
+                tx.begun_on_broker()
             elif name == "begin_commit":
                 decision = tx.begin_commit()
                 # A doomed transaction is never committed.

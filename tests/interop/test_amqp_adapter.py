@@ -7,8 +7,8 @@ import time
 import pytest
 
 from hafailover.adapters.amqp import Outcome
+from hafailover.adapters.amqp_io import AmqpTransport
 from hafailover.destination import Destination
-from hafailover.driver.amqp_io import AmqpTransport
 from hafailover.errors import ProtocolError, SecurityError
 from hafailover.message import Message
 from hafailover.url import BrokerAddress

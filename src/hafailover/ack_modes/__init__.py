@@ -10,7 +10,6 @@ from __future__ import annotations
 from hafailover.ack_modes.auto import (
     PIPELINED_ACKS,
     AutoAckRules,
-    ConfirmFirst,
     DupsOkAckRules,
     NoAckRules,
 )
@@ -18,6 +17,7 @@ from hafailover.ack_modes.base import (
     AckAction,
     AckDecision,
     AckRules,
+    ConfirmFirst,
     Delivery,
     FailoverOutcome,
     RecoverDecision,

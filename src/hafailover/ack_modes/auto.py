@@ -21,7 +21,6 @@ At most ``PIPELINED_ACKS`` acknowledges of a session wait for confirmation at on
 
 from __future__ import annotations
 
-import enum
 from typing import ClassVar, Final
 
 import attrs
@@ -30,13 +29,14 @@ from hafailover.ack_modes.base import (
     AckAction,
     AckDecision,
     AckRules,
+    ConfirmFirst,
     Delivery,
     FailoverOutcome,
 )
 from hafailover.ack_modes.modes import AckMode
 from hafailover.errors import ErrorCode
 
-__all__ = ["PIPELINED_ACKS", "AutoAckRules", "ConfirmFirst", "DupsOkAckRules", "NoAckRules"]
+__all__ = ["PIPELINED_ACKS", "AutoAckRules", "DupsOkAckRules", "NoAckRules"]
 
 # At most this many AUTO acknowledges of one session wait for confirmation at once.
 PIPELINED_ACKS: Final = 256
@@ -44,16 +44,9 @@ PIPELINED_ACKS: Final = 256
 _EXPECTED_AT_MOST: Final = 4 * PIPELINED_ACKS
 
 
-class ConfirmFirst(enum.Enum):
-    """Which AUTO acknowledge must be confirmed before the next message is handed out."""
-
-    NONE = "none"
-    LAST = "the last message's"
-    OLDEST = "the oldest in flight"
-
-
 class AutoAckRules(AckRules):
     mode: ClassVar[AckMode] = AckMode.AUTO
+    confirms_acknowledges: ClassVar[bool] = True
 
     def __init__(self, session_id: int) -> None:
         super().__init__(session_id)
@@ -101,7 +94,12 @@ class AutoAckRules(AckRules):
         return AckDecision(AckAction.RAISE, code=ErrorCode.ACKNOWLEDGE_FAILED)
 
     def failover(
-        self, *, reattached: bool, lost_acks: tuple[tuple[str, str, str], ...] = ()
+        self,
+        *,
+        reattached: bool,
+        lost_acks: tuple[tuple[str, str, str], ...] = (),
+        lost_work: bool = False,
+        commit_received: bool | None = None,
     ) -> FailoverOutcome:
         outcome = super().failover(reattached=reattached)
         if reattached:
@@ -148,6 +146,7 @@ class DupsOkAckRules(AutoAckRules):
     """DUPS_OK acknowledges are never confirmed, so none is ever lost in flight."""
 
     mode: ClassVar[AckMode] = AckMode.DUPS_OK
+    confirms_acknowledges: ClassVar[bool] = False
 
     def _stale(self) -> AckDecision:
         return AckDecision(AckAction.DROP)

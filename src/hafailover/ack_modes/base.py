@@ -9,6 +9,11 @@ of. Acknowledging it cannot work; what happens instead is the ack mode's rule.
 A reattach keeps the broker's session, so it changes nothing here: acks in the
 confirmation window are replayed like any other command.
 
+The driver asks a rule set what it can do, never what class it is: whether its
+acknowledges are confirmed (``confirms_acknowledges``), whether the application
+acknowledges (``acknowledged_by_application``), whether it has a transaction
+(``transaction``), whether a buffered delivery is stale (``prefetched_stale``).
+
 Pure: no I/O, threads or clocks.
 """
 
@@ -21,11 +26,13 @@ import attrs
 
 from hafailover.ack_modes.modes import AckMode
 from hafailover.errors import ErrorCode, IllegalStateError
+from hafailover.tx import TransactionState
 
 __all__ = [
     "AckAction",
     "AckDecision",
     "AckRules",
+    "ConfirmFirst",
     "Delivery",
     "FailoverOutcome",
     "RecoverDecision",
@@ -49,13 +56,22 @@ class AckAction(enum.Enum):
     REDELIVER = "redeliver"  # give ``tags`` back: the broker delivers them again
 
 
+class ConfirmFirst(enum.Enum):
+    """Which AUTO acknowledge must be confirmed before the next message is handed out."""
+
+    NONE = "none"
+    LAST = "the last message's"
+    OLDEST = "the oldest in flight"
+
+
 @attrs.frozen
 class AckDecision:
     action: AckAction
     tags: tuple[str, ...] = ()
     code: ErrorCode | None = None
-    # Ask the broker to redeliver what this session holds unacknowledged.
+    # Ask the broker to redeliver what this session holds unacknowledged: ``redeliver``.
     recover: bool = False
+    redeliver: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -74,12 +90,20 @@ class FailoverOutcome:
     # whose acknowledges the reconnect lost: a redelivery of one is acknowledged and
     # dropped, not delivered again.
     expect_again: frozenset[tuple[str, str]] = frozenset()
+    rolled_back: bool = False  # TRANSACTED: a transaction with work in it was doomed (F9)
 
 
 class AckRules:
     """The acknowledge rules of one session. Subclasses implement one mode each."""
 
     mode: ClassVar[AckMode]
+    # Capabilities, which the driver asks instead of the class:
+    # each acknowledge is confirmed by the broker before it counts (AUTO, F6)
+    confirms_acknowledges: ClassVar[bool] = False
+    # the application acknowledges with acknowledge() (CLIENT modes, F8)
+    acknowledged_by_application: ClassVar[bool] = False
+    # the session's transaction (SESSION_TRANSACTED, F9); None elsewhere
+    transaction: TransactionState | None = None
 
     def __init__(self, session_id: int) -> None:
         self.session_id = session_id
@@ -98,6 +122,36 @@ class AckRules:
 
     def is_stale(self, delivery: Delivery) -> bool:
         return delivery.generation != self.generation
+
+    def prefetched_stale(self, generation: int) -> bool:
+        """A delivery buffered in ``generation`` and not handed out yet: stale when a
+        reconnect came since (the new broker session sends it again)."""
+        return generation != self.generation
+
+    def acknowledge_all(self) -> AckDecision:
+        """acknowledge() on the session: what it covers (CLIENT modes only)."""
+        raise IllegalStateError(
+            f"acknowledge() is for CLIENT and CLIENT_INDIVIDUAL sessions, not {self.mode.value}"
+        )
+
+    def received_in_transaction(self) -> tuple[str, ...]:
+        """Deliveries to acknowledge inside the transaction at commit (TRANSACTED)."""
+        return ()
+
+    def transaction_ended(self) -> None:
+        """Commit or rollback finished: the next transaction starts empty (TRANSACTED)."""
+
+    @staticmethod
+    def ack_failed(code: ErrorCode | None, *, last: bool) -> AckDecision:
+        """An acknowledge the broker was asked to confirm ended with an error: what the
+        application hears (only modes that confirm acknowledges have any)."""
+        return AckDecision(AckAction.NOTHING)
+
+    @staticmethod
+    def confirm_first(*, last_pipelined: bool, last_done: bool, in_flight: int) -> ConfirmFirst:
+        """Which confirmed acknowledge must be confirmed before the next message is handed
+        out (only modes that confirm acknowledges wait for any)."""
+        return ConfirmFirst.NONE
 
     def after_delivery(self, delivery: Delivery) -> AckDecision:
         """receive() returned or a listener finished: the automatic acknowledge, if any."""
@@ -136,9 +190,15 @@ class AckRules:
         return False
 
     def failover(
-        self, *, reattached: bool, lost_acks: tuple[tuple[str, str, str], ...] = ()
+        self,
+        *,
+        reattached: bool,
+        lost_acks: tuple[tuple[str, str, str], ...] = (),
+        lost_work: bool = False,
+        commit_received: bool | None = None,
     ) -> FailoverOutcome:
         """The connection failed over; ``reattached`` when the broker kept the session.
+        ``lost_work`` and ``commit_received`` are the transaction's (F9, F3).
         ``lost_acks``: acknowledges a reconnect lost, in order, as (subscription, delivery
         tag, the message's id when its sender gave it and the acknowledge was pipelined,
         else "")."""

@@ -31,6 +31,7 @@ __all__ = ["ClientAckRules", "ClientIndividualAckRules"]
 
 class ClientAckRules(AckRules):
     mode: ClassVar[AckMode] = AckMode.CLIENT
+    acknowledged_by_application: ClassVar[bool] = True
 
     def __init__(self, session_id: int) -> None:
         super().__init__(session_id)
@@ -46,14 +47,30 @@ class ClientAckRules(AckRules):
         self._unacked[tag] = None
         return super().delivered(tag)
 
+    def acknowledge_all(self) -> AckDecision:
+        """Session.acknowledge(): every message delivered so far, as acknowledging the
+        last one does; a dirty session with nothing delivered since still raises (F8)."""
+        if self._unacked:
+            last = next(reversed(self._unacked))
+            return self.acknowledge(Delivery(self.session_id, self.generation, last))
+        if self.dirty:
+            return self.acknowledge(Delivery(self.session_id, self.generation, ""))
+        return AckDecision(AckAction.NOTHING)
+
     def acknowledge(self, delivery: Delivery) -> AckDecision:
         self.check_owner(delivery)
         if self.dirty:
-            # F8: recover implicitly, then tell the application its acknowledge failed.
-            full = bool(self._unacked)
+            # F8: recover implicitly (what was delivered since the failover goes back to
+            # the broker too), then tell the application its acknowledge failed.
+            held = tuple(self._unacked)
             self._unacked.clear()
             self.dirty = False
-            return AckDecision(AckAction.RAISE, code=ErrorCode.ACKNOWLEDGE_STALE, recover=full)
+            return AckDecision(
+                AckAction.RAISE,
+                code=ErrorCode.ACKNOWLEDGE_STALE,
+                recover=bool(held),
+                redeliver=held,
+            )
         if self.is_stale(delivery):
             # A clean session had nothing unacknowledged at the failover: this
             # message was acknowledged before it, so there is nothing to do.

@@ -18,6 +18,8 @@ __all__ = ["TransactedAckRules"]
 class TransactedAckRules(AckRules):
     mode: ClassVar[AckMode] = AckMode.SESSION_TRANSACTED
 
+    transaction: TransactionState
+
     def __init__(self, session_id: int) -> None:
         super().__init__(session_id)
         self.transaction = TransactionState()
@@ -44,6 +46,7 @@ class TransactedAckRules(AckRules):
         lost_work: bool = False,
         commit_received: bool | None = None,
     ) -> FailoverOutcome:
+        had_work = self.transaction.dirty
         doomed = self.transaction.failover(
             reattached=reattached, lost_work=lost_work, commit_received=commit_received
         )
@@ -53,4 +56,9 @@ class TransactedAckRules(AckRules):
             self.generation += 1
         stale = tuple(self._received)
         self._received.clear()
-        return FailoverOutcome(stale=stale, dirty=doomed, discard_prefetched=not reattached)
+        return FailoverOutcome(
+            stale=stale,
+            dirty=doomed,
+            discard_prefetched=not reattached,
+            rolled_back=doomed and had_work,
+        )

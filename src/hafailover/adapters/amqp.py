@@ -23,7 +23,7 @@ Sans I/O
 --------
 ``AmqpEngine`` is driven the way the reference broker drives its side
 (reference_broker/amqp/server.py): proton's ``Transport`` and ``Collector`` with no reactor,
-no thread, no socket and no clock. The caller (hafailover.driver.amqp_io) owns the socket,
+no thread, no socket and no clock. The caller (hafailover.adapters.amqp_io) owns the socket,
 the reader thread and the lock that serializes every call: it pushes what it reads
 (``received``), passes the time (``tick``), writes what ``output`` gives, and calls the
 events ``take_events`` returns once it has let go of its lock, so an event callback may make

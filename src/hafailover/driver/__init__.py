@@ -3,8 +3,9 @@
 ``connection`` holds the lock, the threads and the executor of what the pure core decides;
 ``calls`` admits and waits, ``link_events`` takes what links report; ``session``,
 ``producer``, ``consumer``, ``browser`` and ``transactions`` are the API's thin classes;
-``completions`` and ``notifier`` are how calls wait and how listeners are told;
-``amqp_io`` is the socket, reader thread and lock under the sans-I/O AMQP engine.
+``completions`` and ``notifier`` are how calls wait and how listeners are told. The
+socket, reader thread and lock under the sans-I/O AMQP engine are protocol code:
+``hafailover.adapters.amqp_io``.
 """
 
 from hafailover.driver.browser import Browser

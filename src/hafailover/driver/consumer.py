@@ -145,7 +145,7 @@ class Consumer:
         rules = session.rules
         while self._buffer:
             generation, tag, message = self._buffer.popleft()
-            if generation != rules.generation:
+            if rules.prefetched_stale(generation):
                 continue  # prefetched before a reconnect: the broker sends it again
             if message._sender_id and rules.redelivery_expected(
                 self.subscription, message.message_id
@@ -245,7 +245,7 @@ class Consumer:
         wait (F7)."""
         session = self.session
         connection = session.connection
-        confirm = session.ack_mode is AckMode.AUTO
+        confirm = session.rules.confirms_acknowledges
         pipelined = confirm and session.rules.pipelines(
             sender_id=message._sender_id and message.message_id is not None,
             block_on_acknowledge=connection.policy.block_on_acknowledge,

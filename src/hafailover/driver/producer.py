@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from hafailover.ack_modes import TransactedAckRules
 from hafailover.destination import Destination, parse_destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock
@@ -152,11 +151,11 @@ class Producer:
                 deadline = failover_deadline if not block else connection._failover_deadline()
                 link = connection._wait_window_room(size, deadline, block=block)
                 if transacted:
-                    rules = session.rules
-                    assert isinstance(rules, TransactedAckRules)
-                    if rules.transaction.rollback_only:
+                    transaction = session.rules.transaction
+                    assert transaction is not None
+                    if transaction.rollback_only:
                         # F9: the transaction is doomed; commit() will roll back and raise.
-                        rules.transaction.work()
+                        transaction.work()
                         completion._finish(None)
                         return completion
                     if session._tx_link != link.serial:
@@ -164,7 +163,7 @@ class Producer:
                         # begun, before any of its work was written (else it would be
                         # rollback-only): begin it again on the new link and send there.
                         continue
-                    rules.transaction.work()
+                    transaction.work()
                 token = None
                 transfer: SendCompletion | None = None
                 if confirm:

@@ -23,12 +23,9 @@ from hafailover.ack_modes import (
     AckDecision,
     AckMode,
     AckRules,
-    AutoAckRules,
-    ClientAckRules,
     ConfirmFirst,
     FailoverOutcome,
     LinkReliability,
-    TransactedAckRules,
     check_link_reliability,
 )
 from hafailover.destination import Destination, parse_destination
@@ -74,12 +71,8 @@ class Session(Transactions):
         self.ack_mode = ack_mode
         # The rules live in the sessions core, which applies them at every failover.
         self.rules: AckRules = open_rules(session_id, ack_mode)
-        # AUTO's rules, which also decide what waits for its acknowledges (F6).
-        self._auto_rules = (
-            self.rules
-            if isinstance(self.rules, AutoAckRules) and ack_mode is AckMode.AUTO
-            else None
-        )
+        # Rules whose acknowledges the broker confirms also decide what waits for them (F6).
+        self._auto_rules = self.rules if self.rules.confirms_acknowledges else None
         self._consumers: dict[str, Consumer] = {}
         self._temporary: list[Destination] = []
         self._tx: object = None  # the broker's transaction handle, once work started
@@ -205,12 +198,8 @@ class Session(Transactions):
     def acknowledge(self) -> None:
         """CLIENT modes: acknowledge every message this session delivered (F8)."""
         self._check_open()
-        rules = self.rules
-        if not isinstance(rules, ClientAckRules):
-            raise IllegalStateError(
-                f"acknowledge() is for CLIENT and CLIENT_INDIVIDUAL sessions, "
-                f"not {self.ack_mode.value}"
-            )
+        if not self.rules.acknowledged_by_application:
+            self.rules.acknowledge_all()  # raises: not this mode's call
         self._acknowledge_delivery(None)
 
     def _acknowledge_message(self, message: Message) -> None:
@@ -219,7 +208,7 @@ class Session(Transactions):
             raise IllegalStateError("this message was not received by a session")
         self._check_open()
         self.rules.check_owner(delivery)
-        if not isinstance(self.rules, ClientAckRules):
+        if not self.rules.acknowledged_by_application:
             return  # JMS: acknowledge() is ignored outside CLIENT modes
         self._acknowledge_delivery(delivery)
 
@@ -232,20 +221,11 @@ class Session(Transactions):
             # is written on the new one, where it names another message.
             link = connection._admit(connection._failover_deadline())
             rules = self.rules
-            if delivery is None:
-                assert isinstance(rules, ClientAckRules)
-                unacked = rules.unacknowledged
-                if not unacked and not rules.dirty:
-                    return
-                # delivered() re-adds the last tag: harmless, it is already there.
-                delivery = rules.delivered(unacked[-1]) if unacked else rules.delivered("")
-            held = rules.unacknowledged if isinstance(rules, ClientAckRules) else ()
-            decision = rules.acknowledge(delivery)
+            decision = rules.acknowledge_all() if delivery is None else rules.acknowledge(delivery)
             if decision.action is AckAction.RAISE:
                 # F8: recover implicitly: what was delivered since the failover goes back
                 # to the broker too (what came before it went back with the old session).
-                if decision.recover:
-                    self._give_back(held)
+                self._give_back(decision.redeliver)
                 self._recover_locked(decision)
                 assert decision.code is not None
                 raise error_for(
@@ -544,7 +524,7 @@ class Session(Transactions):
         with connection._cond:
             if self._closed:
                 return
-            transacted_work = isinstance(self.rules, TransactedAckRules) and self._tx is not None
+            transacted_work = self.rules.transaction is not None and self._tx is not None
         if transacted_work and not connection._closing:
             with contextlib.suppress(HaFailoverError):
                 self.rollback()

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
 
-from hafailover.ack_modes import AckMode, AckRules, TransactedAckRules
+from hafailover.ack_modes import AckMode, AckRules
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.consumer import Consumer
 from hafailover.errors import (
@@ -29,7 +29,7 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.sessions import CallKind
-from hafailover.tx.state import CommitAction, TxPhase
+from hafailover.tx.state import CommitAction, TransactionState, TxPhase
 
 if TYPE_CHECKING:
     from hafailover.driver.connection import Connection
@@ -69,15 +69,18 @@ class Transactions:
     def transaction(self, *, retries: int = 3) -> TransactionBlock:
         """A block of transacted work committed at its end and run again, up to
         ``retries`` more times, when a failover rolled it back (see TransactionBlock)."""
-        self._transacted_rules("transaction")
+        self._transaction("transaction")
         return TransactionBlock(self, retries)
 
     def commit(self) -> None:
         """Commit the transaction; TransactionRolledBackError if failover made it
-        rollback-only (F9), TransactionOutcomeUnknownError if the reply was lost (F3)."""
+        rollback-only (F9), TransactionOutcomeUnknownError if the reply was lost (F3).
+
+        Every way it can end without the broker's yes is the transaction state's decision
+        (``tx/state.py``); this writes the commit, waits and carries the decision out."""
         self._check_open()
-        tx_rules = self._transacted_rules("commit")
-        transaction = tx_rules.transaction
+        transaction = self._transaction("commit")
+        rules = self.rules
         connection = self.connection
         with connection._cond:
             # One lock hold from the decision to reading the work it covers: a failover
@@ -86,40 +89,28 @@ class Transactions:
             # The commit belongs to this link: if a failover replaces it before the commit
             # is written, the transaction rules decide its fate (it never moves links).
             self._commit_link = getattr(connection._link, "serial", 0)
+            received = rules.received_in_transaction()
             if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
                 self._tx_sends = []
-                received = tx_rules.received_in_transaction()
-                tx_rules.transaction_ended()
-                handle = self._take_tx()
+                rules.transaction_ended()
+                handle = self._take_tx(decision.rollback_on_broker)
             else:
                 handle = self._tx
-                received = tx_rules.received_in_transaction()
+                # Its link was replaced and no failover rule caught it.
+                moved = handle is not None and self._tx_link != self._commit_link
         if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
             self._end_on_broker(handle, commit=False, received=received, quiet=True)
-            raise TransactionRolledBackError(
-                "the transaction was rolled back: a failover made it rollback-only; "
-                "replay its work and commit again"
-            )
+            raise decision.error()
         with connection._cond:
-            stale = handle is not None and self._tx_link != getattr(
-                connection._link, "serial", None
-            )
             caught = transaction.phase is not TxPhase.COMMITTING
-        if caught:
-            # A failover applied since the decision caught the commit: it decided.
-            self._end_interrupted_commit(tx_rules, None, received)
-        with connection._cond:
-            if (handle is None and not received) or stale:
-                transaction.commit_finished()
-                tx_rules.transaction_ended()
-                self._tx = None
-                if stale:
-                    # The transaction's link is gone and no failover rule caught it: never
-                    # report a commit that did not happen.
-                    raise TransactionRolledBackError(
-                        "the transaction was lost with its connection; replay its work"
-                    )
+            if not caught and not moved and handle is None and not received:
+                transaction.commit_finished()  # nothing was done: nothing to commit
+                rules.transaction_ended()
                 return
+        if caught or moved:
+            # A failover applied since the decision caught the commit (it decided), or the
+            # transaction's link is gone: never report a commit that did not happen.
+            self._end_interrupted_commit(None, received)
         try:
             if handle is None:
                 # Only received so far: the acknowledges go in a transaction of their own.
@@ -133,77 +124,67 @@ class Transactions:
             DisconnectedError,
         ) as exc:
             # No answer came: the connection was lost (failed over or not, yet or for good)
-            # or the call timed out. Only whether the commit was written says what may have
-            # happened; never report as rolled back a commit the broker may have done.
-            self._end_interrupted_commit(tx_rules, exc, received)
+            # or the call timed out.
+            self._end_interrupted_commit(exc, received)
         except TransactionRolledBackError:
             raise  # a refused send of the transaction: rolled back already
         except RemoteError as exc:
             with connection._cond:
-                transaction.commit_finished()
-                tx_rules.transaction_ended()
+                refused = transaction.commit_refused(str(exc))
+                rules.transaction_ended()
                 self._tx = None
-            raise TransactionRolledBackError(f"the broker refused the commit: {exc}") from exc
+            raise refused.error() from exc
         with connection._cond:
             transaction.commit_finished()
-            tx_rules.transaction_ended()
+            rules.transaction_ended()
             self._tx = None
             self._dedup_settled(received)
 
     def _end_interrupted_commit(
-        self, tx_rules: TransactedAckRules, exc: BaseException | None, received: tuple[str, ...]
+        self, exc: BaseException | None, received: tuple[str, ...]
     ) -> NoReturn:
-        """End a commit that got no answer and raise what may have happened. A commit never
-        written on a link that lives on (it timed out, or a reattach kept the transaction)
-        is rolled back on the broker too, or the broker keeps its batch."""
-        transaction = tx_rules.transaction
+        """End a commit that got no answer and raise what the transaction state says may
+        have happened, rolling it back on the broker when the state says the broker still
+        holds it (a commit never written on a link that lives on)."""
+        transaction = self._transaction("commit")
         with self.connection._cond:
-            timed_out = isinstance(exc, CallTimeoutError)
-            unwritten = transaction.phase is TxPhase.COMMITTING
-            fate = transaction.commit_interrupted()
-            undo = (timed_out and unwritten) or fate.rollback_on_broker
-            handle = self._take_tx() if undo else None
-            error = fate.interrupted_error(exc)
-            tx_rules.transaction_ended()
-            self._tx = None
-            if undo:
+            fate = transaction.commit_cut(timed_out=isinstance(exc, CallTimeoutError))
+            handle = self._take_tx(fate.rollback_on_broker)
+            self.rules.transaction_ended()
+            if fate.rollback_on_broker:
                 # Given back below: the broker delivers them anew, under new ids. A copy a
                 # reattach resent under the old ids is stale: never hand it out.
                 self._drop_buffered(received)
-        if undo:
+        if fate.rollback_on_broker:
             self._end_on_broker(handle, commit=False, received=received, quiet=True)
-        raise error from None
+        raise fate.error(exc) from None
 
     def rollback(self) -> None:
         """Roll the transaction back; always succeeds and cleans the session (F9)."""
         self._check_open()
-        tx_rules = self._transacted_rules("rollback")
+        transaction = self._transaction("rollback")
         connection = self.connection
         with connection._cond:
-            decision = tx_rules.transaction.rollback()
-            handle, received = self._end_transaction_locked(
-                tx_rules, on_broker=decision.rollback_on_broker
-            )
+            decision = transaction.rollback()
+            handle, received = self._end_transaction_locked(on_broker=decision.rollback_on_broker)
         self._end_on_broker(handle, commit=False, received=received, quiet=True)
 
-    def _end_transaction_locked(
-        self, tx_rules: TransactedAckRules, *, on_broker: bool
-    ) -> tuple[object, tuple[str, ...]]:
+    def _end_transaction_locked(self, *, on_broker: bool) -> tuple[object, tuple[str, ...]]:
         """Under the lock, for a rollback: forget the transaction's work and prefetched
         messages; return the broker's transaction to roll back (None: nothing to send)
         and the deliveries to give back."""
         self._tx_sends = []
-        received = tx_rules.received_in_transaction()
+        received = self.rules.received_in_transaction()
         self._dedup_forget(received)
-        tx_rules.transaction_ended()
-        handle = self._take_tx() if on_broker else None
+        self.rules.transaction_ended()
+        handle = self._take_tx(on_broker)
         for consumer in self._consumers.values():
             consumer._drop_buffer(give_back=True)
         return handle, received
 
     def _settle_transfers(self) -> None:
         """AMQP: every transfer of the transaction settled by the broker before the
-        discharge; a refused one fails the commit (the transaction is rolled back)."""
+        discharge; a refused one fails the commit (the transaction state decides)."""
         sends, self._tx_sends = self._tx_sends, []
         for completion in sends:
             try:
@@ -211,22 +192,20 @@ class Transactions:
             except UnblockedError:
                 raise
             except RemoteError as exc:
-                # The commit is abandoned before its discharge: roll back, as rollback()
-                # would (which refuses to run while a commit is running).
-                tx_rules = self._transacted_rules("commit")
+                transaction = self._transaction("commit")
                 with self.connection._cond:
-                    tx_rules.transaction.commit_finished()
-                    handle, received = self._end_transaction_locked(tx_rules, on_broker=True)
+                    decision = transaction.transfer_refused(str(exc))
+                    handle, received = self._end_transaction_locked(
+                        on_broker=decision.rollback_on_broker
+                    )
                 self._end_on_broker(handle, commit=False, received=received, quiet=True)
-                raise TransactionRolledBackError(
-                    f"the broker refused a send of the transaction, which was rolled back: {exc}"
-                ) from exc
+                raise decision.error() from exc
 
-    def _take_tx(self) -> object:
+    def _take_tx(self, on_broker: bool) -> object:
+        """Under the lock: the transaction is over here; its broker handle when the
+        transaction state says the broker holds it (to roll it back there), else None."""
         handle, self._tx = self._tx, None
-        if self._tx_link != getattr(self.connection._link, "serial", None):
-            return None  # the transaction died with its link
-        return handle
+        return handle if on_broker else None
 
     def _end_on_broker(
         self, handle: object, *, commit: bool, received: tuple[str, ...], quiet: bool
@@ -274,14 +253,14 @@ class Transactions:
                 else:
                     connection._written(token, link, command_id, asked=True)
                     if commit:
-                        self.rules.transaction.commit_written()  # type: ignore[attr-defined]
+                        self._transaction("commit").commit_written()
         try:
             if blocking:
                 for ack in settled:
                     ack.result()
                 if commit:
                     with connection._cond:
-                        self.rules.transaction.commit_written()  # type: ignore[attr-defined]
+                        self._transaction("commit").commit_written()
                 link.end(handle, commit=commit, token=token)
                 with connection._cond:
                     connection._written(token, link, -1, asked=True)
@@ -298,12 +277,13 @@ class Transactions:
                     for tag in received:
                         self._tag_subscriptions.pop(tag, None)
 
-    def _transacted_rules(self, what: str) -> TransactedAckRules:
-        if not isinstance(self.rules, TransactedAckRules):
+    def _transaction(self, what: str) -> TransactionState:
+        transaction = self.rules.transaction
+        if transaction is None:
             raise IllegalStateError(
                 f"{what}() needs a transacted session; this one is {self.ack_mode.value}"
             )
-        return self.rules
+        return transaction
 
     def _ensure_tx(self) -> object:
         """The broker transaction for the current work, begun on first use."""
@@ -321,6 +301,7 @@ class Transactions:
                         connection._io_failed(link, exc)
                         continue  # F1: wait for the failover; its rules decide the work's fate
                     self._tx_link = link.serial
+                    self._transaction("begin").begun_on_broker()
                     return self._tx
             try:
                 handle = link.begin()  # AMQP declare waits for the broker: outside the lock
@@ -331,6 +312,7 @@ class Transactions:
                 if self._tx is None or self._tx_link != link.serial:
                     self._tx = handle
                     self._tx_link = link.serial
+                    self._transaction("begin").begun_on_broker()
                 return self._tx
 
     # --- failover ---------------------------------------------------------------------------

@@ -26,9 +26,17 @@ session (Artemis, Qpid). rollback() always succeeds and cleans the session.
 Transacted sends are never replayed from the confirmation window: lost work
 means rollback, not repair.
 
-Whether the broker still holds the transaction (so a rollback must be sent to
-it) is tracked too: after a reconnect the new session has no trace of it and
-the rollback is local.
+Whether the broker holds the transaction (so a rollback must be sent to it) is
+decided here alone: it does from the moment the driver began it there
+(``begun_on_broker``) until it ends or a reconnect replaces the session, whose
+new session has no trace of it; then the rollback is local.
+
+Every way commit() can end without the broker's yes is one decision here, a
+``CommitDecision`` that says what commit() raises and whether the broker must be
+told to roll back: rollback-only at the call (``begin_commit``), cut by a failover
+or a lost connection or a timeout (``commit_cut``), refused by the broker
+(``commit_refused``), a transacted send refused before the commit was written
+(``transfer_refused``). The driver writes and waits; it decides none of these.
 
 Pure: no I/O, threads or clocks. Misuse (commit while a commit is running)
 raises IllegalStateError and leaves the state as it was.
@@ -71,7 +79,14 @@ class CommitAction(enum.Enum):
 class CommitDecision:
     action: CommitAction
     code: ErrorCode | None = None  # the error to raise, for the two raising actions
-    rollback_on_broker: bool = False  # the broker still holds the transaction
+    rollback_on_broker: bool = False  # the broker still holds the transaction: roll it back
+    reason: str = ""  # why it was rolled back, when that is known at the decision
+
+    def error(self, cause: BaseException | None = None) -> HaFailoverError:
+        """What commit() raises with this decision (``cause``: why the wait ended)."""
+        if self.reason:
+            return TransactionRolledBackError(self.reason)
+        return self.interrupted_error(cause)
 
     def interrupted_error(self, cause: BaseException | None) -> HaFailoverError:
         """What a commit whose wait ended without an answer raises (F3), given why it
@@ -129,7 +144,6 @@ class TransactionState:
             raise IllegalStateError("the session is committing; wait for commit() to return")
         if self.phase is TxPhase.CLEAN:
             self.phase = TxPhase.DIRTY
-            self._broker_has_tx = True
         self.work_count += 1
 
     def begin_commit(self) -> CommitDecision:
@@ -144,6 +158,10 @@ class TransactionState:
                 CommitAction.ROLL_BACK_AND_RAISE,
                 ErrorCode.TRANSACTION_ROLLED_BACK,
                 rollback_on_broker=on_broker,
+                reason=(
+                    "the transaction was rolled back: a failover made it rollback-only; "
+                    "replay its work and commit again"
+                ),
             )
         self.phase = TxPhase.COMMITTING
         return CommitDecision(CommitAction.SEND_COMMIT)
@@ -163,25 +181,59 @@ class TransactionState:
         fate, self._commit_fate = self._commit_fate, None
         return fate
 
-    def commit_interrupted(self) -> CommitDecision:
-        """The commit's wait ended without the broker's answer (its connection was lost or
-        the call timed out): what commit() raises, whether or not a failover was applied yet.
+    def commit_cut(self, *, timed_out: bool = False) -> CommitDecision:
+        """The commit's wait ended without the broker's answer (its connection was lost,
+        or the call timed out: ``timed_out``): what commit() raises, whether or not a
+        failover was applied yet.
 
         A failover that caught the commit has decided already. Otherwise a commit not yet
-        written is rolled back with its connection, and one written may have happened: its
-        outcome is unknown. Either way this transaction is over."""
+        written is rolled back (on the broker too when only the call timed out: the
+        connection lives on and the broker holds the transaction), and one written may
+        have happened: its outcome is unknown. Either way this transaction is over."""
         fate = self.commit_fate()
         if fate is not None:
             return fate  # the failover reset the transaction
         if self.phase is TxPhase.COMMITTING:
             fate = CommitDecision(
-                CommitAction.ROLL_BACK_AND_RAISE, ErrorCode.TRANSACTION_ROLLED_BACK
+                CommitAction.ROLL_BACK_AND_RAISE,
+                ErrorCode.TRANSACTION_ROLLED_BACK,
+                rollback_on_broker=timed_out and self._broker_has_tx,
             )
         else:
             fate = CommitDecision(CommitAction.RAISE, ErrorCode.TRANSACTION_OUTCOME_UNKNOWN)
         if self.phase in (TxPhase.COMMITTING, TxPhase.COMMIT_SENT):
             self._reset()
         return fate
+
+    def commit_refused(self, refusal: str) -> CommitDecision:
+        """The broker answered the commit with a refusal: it rolled the transaction back."""
+        self._reset()
+        self._commit_fate = None
+        return CommitDecision(
+            CommitAction.RAISE,
+            ErrorCode.TRANSACTION_ROLLED_BACK,
+            reason=f"the broker refused the commit: {refusal}",
+        )
+
+    def transfer_refused(self, refusal: str) -> CommitDecision:
+        """A send of the transaction was refused before the commit was written: the commit
+        is abandoned and the transaction rolled back, on the broker too if it holds it."""
+        on_broker = self._broker_has_tx
+        self._reset()
+        self._commit_fate = None
+        return CommitDecision(
+            CommitAction.ROLL_BACK_AND_RAISE,
+            ErrorCode.TRANSACTION_ROLLED_BACK,
+            rollback_on_broker=on_broker,
+            reason=(
+                f"the broker refused a send of the transaction, which was rolled back: {refusal}"
+            ),
+        )
+
+    def begun_on_broker(self) -> None:
+        """The driver began the transaction on the broker (a STOMP BEGIN, an AMQP declare):
+        ending it without a commit means telling the broker."""
+        self._broker_has_tx = True
 
     def rollback(self) -> RollbackDecision:
         """rollback() was called: always succeeds, and the session is clean after it."""
@@ -217,7 +269,7 @@ class TransactionState:
             self._commit_fate = CommitDecision(
                 CommitAction.ROLL_BACK_AND_RAISE,
                 ErrorCode.TRANSACTION_ROLLED_BACK,
-                rollback_on_broker=reattached,
+                rollback_on_broker=reattached and self._broker_has_tx,
             )
             self._reset()
             return True
