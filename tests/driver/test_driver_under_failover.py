@@ -36,7 +36,18 @@ from .test_failover_driver import Heard, url, wait_until
 NOTICES = st.sampled_from(
     [("reader",), ("heartbeat",), ("writer",), ("reader", "heartbeat"), ("writer", "reader")]
 )
-ANSWERS = st.sampled_from([["reattach"], ["fresh"], ["refuse", "reattach"], ["refuse", "fresh"]])
+ANSWERS = st.sampled_from(
+    [
+        ["reattach"],
+        ["fresh"],
+        ["refuse", "reattach"],
+        ["refuse", "fresh"],
+        # Issue 17: an attempt's link reported lost before it is the connection's.
+        ["refuse", "reattach, then reported lost", "reattach"],
+        ["fresh, then reported lost", "fresh"],
+        ["illegal", "reattach"],
+    ]
+)
 
 
 class DriverUnderFailover(RuleBasedStateMachine):

@@ -17,8 +17,10 @@ they decide, and is the only place with locks, threads and clocks.
   and waits on the condition while the connection fails over or is being restored.
 - Any notice of a lost link, from the reader, a heartbeat, or a failed write on an
   application's thread, is the same event, ``Lost(link)``; the machine counts the first
-  notice about the current link and ignores the rest. The first starts one reconnect
-  thread that runs the ``ReconnectSchedule``.
+  notice about the current link and ignores the rest, and remembers one about a link an
+  attempt is opening (that attempt then fails instead of restoring a dead link). The
+  first starts one reconnect thread that runs the ``ReconnectSchedule``; however it ends
+  short of success, it tells the machine ``Exhausted`` (F2, F10).
 - Each attempt opens a link; the sessions core plans the failover (``FailoverPlan``: what
   to replay, resend, complete and release; what each session's rules did), the machine
   hands the plan back as ``ReattachSessions``/``RecreateSessions``, this module writes it
