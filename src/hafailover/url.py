@@ -353,6 +353,9 @@ class FailoverPolicy:
     ssl_cert_file: str | None = None
     ssl_key_file: str | None = None
     ssl_verify: bool = True
+    # The options the URL named, whatever their values (not part of equality): a policy
+    # built in code names none.
+    given: frozenset[str] = attrs.field(default=frozenset(), eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         # Field-level checks ran as the URL was parsed; these span fields, and
@@ -411,6 +414,15 @@ class FailoverPolicy:
     @property
     def reattach_enabled(self) -> bool:
         return self.confirmation_window_size != -1
+
+    def first_connection_fails_over(self) -> FailoverPolicy:
+        """F12 for a client whose first connection may come after the live has failed over
+        (a Spark executor's worker, started at any time): unless the URL names
+        initial_connect_attempts, the first connection walks the brokers as a reconnect
+        does, for as many attempts."""
+        if "initial_connect_attempts" in self.given:
+            return self
+        return attrs.evolve(self, initial_connect_attempts=self.reconnect_attempts or 1)
 
     @property
     def effective_reconnect_attempts(self) -> int:
@@ -619,4 +631,4 @@ def parse_url(url: str) -> FailoverPolicy:
             option="reconnect_attempts",
             accepted=["0 with nofailover", "another failover_method"],
         )
-    return FailoverPolicy(brokers=tuple(brokers), **options)
+    return FailoverPolicy(brokers=tuple(brokers), given=frozenset(options), **options)

@@ -193,3 +193,20 @@ def test_unknown_option_always_rejected(policy: FailoverPolicy, name: str, value
     with pytest.raises(InvalidURLError) as caught:
         parse_url(f"{policy}{separator}{name}=x{value}")
     assert caught.value.option == name
+
+
+def test_f12_a_client_that_may_start_after_a_failover_walks_the_brokers_at_once() -> None:
+    """The Spark sink's workers: the first connection fails over like a reconnect unless
+    the URL says how many attempts it gets; the URL's word is read from what it named,
+    not from its text."""
+    url = "failover:(stomp://live:61613,stomp://backup:61613)?reconnect_attempts=7"
+    policy = parse_url(url)
+    assert policy.given == frozenset({"reconnect_attempts"})
+    assert policy.first_connection_fails_over().initial_connect_attempts == 7
+    named = parse_url(url + "&initial_connect_attempts=1")
+    assert named.first_connection_fails_over().initial_connect_attempts == 1
+    forever = parse_url("failover:(stomp://a:1,stomp://b:2)")
+    assert forever.first_connection_fails_over().initial_connect_attempts == -1
+    # A password that spells the option's name is not the option.
+    tricky = parse_url("stomp://u:initial_connect_attempts@live:61613?reconnect_attempts=5")
+    assert tricky.first_connection_fails_over().initial_connect_attempts == 5

@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import attrs
 import pyarrow as pa
 from pyspark import TaskContext
 
@@ -71,11 +70,8 @@ class _Link:
     """One connection with the session and the producer the sink sends through."""
 
     def __init__(self, options: SinkOptions) -> None:
-        policy = parse_url(options.url)
-        if "initial_connect_attempts" not in options.url:
-            # A worker may make its first connection after the live has failed over: for the
-            # sink the first connection fails over like any other (F12 lets the URL say so).
-            policy = attrs.evolve(policy, initial_connect_attempts=policy.reconnect_attempts or 1)
+        # A worker may make its first connection after the live has failed over (F12).
+        policy = parse_url(options.url).first_connection_fails_over()
         self.connection = hafailover.connect(policy, user=options.user, password=options.password)
         try:
             self.session = self.connection.create_session(AckMode.AUTO)
