@@ -120,7 +120,7 @@ class CallClock:
     def tick(self) -> None:
         """A slice was waited: count it if the connection was up."""
         now = time.monotonic()
-        if self._machine.is_up:
+        if self._machine.admit()[0] is Admission.PROCEED:
             self.left -= now - self._last
         self._last = now
 
@@ -144,6 +144,17 @@ class Calls:
         """A write failed: the link is dead even if its reader has not noticed yet."""
         if isinstance(exc, NotConnectedError | UnblockedError):
             self.link_lost(link, str(exc))
+
+    def _admitted_link(self) -> Link | None:
+        """Under the lock, for what is written only if it can go now (an acknowledge, a
+        give-back, an unsubscribe) and never waits: the link when the machine admits
+        calls (F1), else None."""
+        admission, _ = self._machine.admit()
+        return self._link if admission is Admission.PROCEED else None
+
+    def _admits(self) -> bool:
+        """Under the lock: whether the machine admits calls now (F1)."""
+        return self._admitted_link() is not None
 
     def _check_open(self) -> None:
         if self._closing:
@@ -235,8 +246,8 @@ class Calls:
     def _ask_for_receipt(self) -> None:
         """Under the lock: someone waits for a cumulative confirmation that no written frame
         has asked for yet; write one frame that asks."""
-        link = self._link
-        if link is None or not link.windowed or not self._machine.is_up:
+        link = self._admitted_link()
+        if link is None or not link.windowed:
             return
         if not self._core.sync_needed():
             return

@@ -178,8 +178,8 @@ class Consumer:
         connection = self.session.connection
         self.duplicates_dropped += 1
         connection._duplicates_dropped += 1
-        link = connection._link
-        if not self._acknowledged or link is None or not connection._machine.is_up:
+        link = connection._admitted_link()
+        if not self._acknowledged or link is None:
             return
         try:
             link.acknowledge(self.subscription, tag, tx=None, token=None)
@@ -193,9 +193,9 @@ class Consumer:
         with connection._cond:
             decision = session.rules.after_delivery(message.delivery)
             if decision.action is AckAction.SEND:
-                link = connection._link
+                link = connection._admitted_link()
                 failure: HaFailoverError | None = None
-                if link is not None and connection._machine.is_up:
+                if link is not None:
                     failure = self._acknowledge_now(link, decision.tags, message)
                     if failure is None:
                         return
@@ -374,7 +374,7 @@ class Consumer:
         if admission is Admission.RAISE and not self._buffer:
             assert code is not None
             raise error_for(code, f"the connection is {connection._machine.state.value}")
-        if connection._started and self._buffer and connection._machine.is_up:
+        if connection._started and self._buffer and connection._admits():
             return self._take()
         return None
 
@@ -398,8 +398,8 @@ class Consumer:
             self._closed = True
             self._drop_buffer(give_back=True)
             session._consumers.pop(self.subscription, None)
-            link = connection._link
-            if link is not None and connection._machine.is_up:
+            link = connection._admitted_link()
+            if link is not None:
                 with contextlib.suppress(HaFailoverError):
                     link.unsubscribe(self.subscription)
             connection._cond.notify_all()

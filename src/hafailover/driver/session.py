@@ -311,8 +311,8 @@ class Session(Transactions):
         """Under the lock: NACK deliveries so the broker redelivers them."""
         self._dedup_forget(tags)
         connection = self.connection
-        link = connection._link
-        if link is None or not connection._machine.is_up:
+        link = connection._admitted_link()
+        if link is None:
             return  # the broker redelivers them to the new session anyway
         for tag in tags:
             subscription = self._tag_subscriptions.pop(tag, "")
@@ -370,7 +370,7 @@ class Session(Transactions):
                         return
                     if self._ack_blocking() is not None:
                         break  # an acknowledge to confirm first (F6), outside the lock
-                    if connection._started and connection._machine.is_up:
+                    if connection._started and connection._admits():
                         for consumer in self._consumers.values():
                             if consumer._listener is not None and consumer._buffer:
                                 item = (consumer, consumer._take())
@@ -478,7 +478,7 @@ class Session(Transactions):
             if (
                 self._ack_blocking() is not completion
                 or completion.done()
-                or not connection._machine.is_up
+                or not connection._admits()
             ):
                 return
             last = self._claim_ack(completion)
