@@ -50,9 +50,9 @@ test-deep: $(STAMPS)/venv
 # Prints each module's killed / total, then every mutant not killed.
 mutate: $(STAMPS)/venv
 	nice $(VENV)/bin/mutmut run $(MUTANTS)
-	@$(VENV)/bin/mutmut results --all true | awk '{ split($$1, name, ".x"); total[name[1]]++; \
-		if ($$2 == "killed") killed[name[1]]++ } \
-		END { for (m in total) printf "%-28s %4d / %4d killed\n", m, killed[m], total[m] }' | sort
+	@$(VENV)/bin/mutmut results --all true | awk '{ m = $$1; sub(/\.x[^.]*$$/, "", m); total[m]++; \
+		if ($$2 == "killed") killed[m]++ } \
+		END { for (m in total) printf "%-30s %4d / %4d killed\n", m, killed[m], total[m] }' | sort
 	$(VENV)/bin/mutmut results
 
 bench: $(STAMPS)/venv
