@@ -1,0 +1,135 @@
+"""Acknowledge-mode rules that mutation testing found unguarded (docs/testing.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hafailover.ack_modes import (
+    PIPELINED_ACKS,
+    AckAction,
+    AckMode,
+    LinkReliability,
+    TransactedAckRules,
+    check_link_reliability,
+    rules_for,
+)
+from hafailover.errors import ConfigurationError, ErrorCode
+
+NOT_TRANSACTED = [m for m in AckMode if m is not AckMode.SESSION_TRANSACTED]
+
+
+@pytest.mark.parametrize("mode", NOT_TRANSACTED)
+def test_a_second_reconnect_makes_the_first_ones_deliveries_stale_too(mode: AckMode) -> None:
+    rules = rules_for(mode, 1)
+    rules.failover(reattached=False)
+    delivery = rules.delivered("m1")
+    assert not rules.is_stale(delivery)
+    outcome = rules.failover(reattached=False)
+    assert rules.is_stale(delivery)
+    assert outcome.discard_prefetched
+
+
+@pytest.mark.parametrize("mode", [AckMode.AUTO, AckMode.DUPS_OK, AckMode.NO_ACKNOWLEDGE])
+def test_a_reconnect_leaves_no_stale_delivery_where_the_application_never_acknowledges(
+    mode: AckMode,
+) -> None:
+    rules = rules_for(mode, 1)
+    rules.delivered("m1")
+    assert rules.failover(reattached=False).stale == ()
+
+
+@pytest.mark.parametrize("mode", [AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL])
+def test_f8_an_acknowledge_sends_what_it_covers_once(mode: AckMode) -> None:
+    rules = rules_for(mode, 1)
+    delivery = rules.delivered("m1")
+    decision = rules.acknowledge(delivery)
+    assert decision.action is AckAction.SEND and decision.tags == ("m1",)
+    # Already acknowledged: nothing left to send.
+    assert rules.acknowledge(delivery).action is AckAction.NOTHING
+
+
+@pytest.mark.parametrize("mode", [AckMode.AUTO, AckMode.DUPS_OK, AckMode.NO_ACKNOWLEDGE])
+def test_acknowledge_is_a_no_op_where_the_application_does_not_acknowledge(mode: AckMode) -> None:
+    rules = rules_for(mode, 1)
+    assert rules.acknowledge(rules.delivered("m1")).action is AckAction.NOTHING
+
+
+@pytest.mark.parametrize("mode", [AckMode.CLIENT, AckMode.NO_ACKNOWLEDGE])
+def test_nothing_is_acknowledged_automatically_where_the_mode_does_not(mode: AckMode) -> None:
+    rules = rules_for(mode, 1)
+    assert rules.after_delivery(rules.delivered("m1")).action is AckAction.NOTHING
+    assert rules.acknowledge_not_sent().action is AckAction.NOTHING
+    assert not rules.redelivery_expected("s", "m1")
+
+
+def test_f6_recover_in_auto_has_nothing_to_give_back() -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    rules.delivered("m1")
+    assert rules.recover().redeliver == ()
+
+
+def test_f6_exactly_the_bound_of_expected_redeliveries_is_kept() -> None:
+    rules = rules_for(AckMode.AUTO, 1)
+    bound = 4 * PIPELINED_ACKS
+    lost = []
+    for serial in range(bound + 1):  # the last one handed out is not expected again
+        rules.delivered(f"t{serial}")
+        lost.append(("s", f"t{serial}", f"m{serial}"))
+    outcome = rules.failover(reattached=False, lost_acks=tuple(lost))
+    assert len(outcome.expect_again) == bound
+    assert rules.redelivery_expected("s", "m0")  # the oldest still fits
+
+
+def test_f14_the_errors_say_what_to_use_instead() -> None:
+    with pytest.raises(
+        ConfigurationError,
+        match=r": a no-ack session never acknowledges \(use unreliable or at-most-once\)$",
+    ):
+        check_link_reliability(AckMode.NO_ACKNOWLEDGE, LinkReliability.AT_LEAST_ONCE)
+    with pytest.raises(
+        ConfigurationError,
+        match=r": the session acknowledges, so the link must be at-least-once or exactly-once$",
+    ):
+        check_link_reliability(AckMode.CLIENT, LinkReliability.AT_MOST_ONCE)
+
+
+def _transacted_with_a_delivery() -> tuple[TransactedAckRules, object]:
+    rules = rules_for(AckMode.SESSION_TRANSACTED, 1)
+    assert isinstance(rules, TransactedAckRules)
+    delivery = rules.delivered("m1")
+    assert delivery.tag == "m1"
+    return rules, delivery
+
+
+def test_f9_a_reattach_that_lost_work_dooms_the_transaction_but_keeps_the_session() -> None:
+    rules, delivery = _transacted_with_a_delivery()
+    outcome = rules.failover(reattached=True, lost_work=True)
+    assert outcome.dirty and rules.transaction.rollback_only
+    assert not outcome.discard_prefetched  # the server kept the session and its prefetch
+    assert not rules.is_stale(delivery)  # type: ignore[arg-type]
+    assert outcome.stale == ("m1",)
+
+
+def test_f9_a_reconnect_of_a_clean_transacted_session_still_starts_a_new_generation() -> None:
+    rules, delivery = _transacted_with_a_delivery()
+    rules.transaction.begin_commit()
+    rules.transaction.commit_finished()
+    rules.transaction_ended()
+    outcome = rules.failover(reattached=False)
+    assert not outcome.dirty
+    assert outcome.discard_prefetched
+    assert rules.is_stale(delivery)  # type: ignore[arg-type]
+    later = rules.delivered("m2")
+    rules.transaction.rollback()
+    rules.transaction_ended()
+    rules.failover(reattached=False)
+    assert rules.is_stale(later)
+
+
+def test_f9_a_reattach_tells_the_transaction_the_server_never_got_the_commit() -> None:
+    rules, _ = _transacted_with_a_delivery()
+    rules.transaction.begin_commit()
+    rules.transaction.commit_written()
+    rules.failover(reattached=True, commit_received=False)
+    fate = rules.transaction.commit_fate()
+    assert fate is not None and fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
