@@ -1,0 +1,29 @@
+"""The failover report's log line, which mutation testing found unguarded (docs/testing.md)."""
+
+from __future__ import annotations
+
+from hafailover.errors import ErrorCode
+from hafailover.report import FailoverReport
+
+
+def test_the_summary_of_a_reattach_reads_as_one_line() -> None:
+    report = FailoverReport(
+        code=ErrorCode.FAILOVER,
+        reason="reset",
+        from_broker="stomp://live:61613",
+        to_broker="stomp://backup:61613",
+        reattached=True,
+        attempts=2,
+        duration=1.5,
+        degraded=("duplicate detection", "reattach"),
+    )
+    assert report.summary() == (
+        "failover reattached stomp://live:61613 -> stomp://backup:61613 in 1.500s "
+        "(2 attempt(s)); replayed 0; resent 0; in doubt 0; stale acks 0; "
+        "transactions rolled back 0; broker lacks duplicate detection, reattach"
+    )
+
+
+def test_the_summary_says_reconnected_when_the_session_was_recreated() -> None:
+    report = FailoverReport(code=ErrorCode.FAILOVER, reason="reset", from_broker="a", to_broker="b")
+    assert report.summary().startswith("failover reconnected a -> b ")
