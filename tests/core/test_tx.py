@@ -104,6 +104,7 @@ def test_f3_a_commit_that_timed_out_unwritten_is_rolled_back_on_the_living_link(
     fate = tx.commit_cut(timed_out=True)
     assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
     assert fate.rollback_on_broker is begun
+    assert fate.give_back  # the link lives on: its deliveries go back now
     assert isinstance(fate.error(CallTimeoutError("slow")), TransactionRolledBackError)
     assert tx.phase is TxPhase.CLEAN
 
@@ -207,6 +208,7 @@ def test_f3_commit_cut_before_it_was_written_is_rolled_back() -> None:
     tx.begin_commit()
     fate = tx.commit_cut()
     assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+    assert not fate.rollback_on_broker and not fate.give_back  # gone with its link
     assert tx.phase is TxPhase.CLEAN
 
 

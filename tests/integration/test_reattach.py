@@ -210,10 +210,10 @@ def test_f4_deliveries_the_live_resends_at_once_after_a_reattach_arrive(
     client pauses before taking it). They reach the consumer all the same."""
     real_prepare = hafailover.Connection._prepare
 
-    def slow_prepare(self: hafailover.Connection, *args: object, **kwargs: object) -> None:
+    def slow_prepare(self: hafailover.Connection, *args: object, **kwargs: object) -> object:
         if not kwargs.get("initial"):
             time.sleep(0.3)  # the resends arrive meanwhile
-        real_prepare(self, *args, **kwargs)  # type: ignore[arg-type]
+        return real_prepare(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(hafailover.Connection, "_prepare", slow_prepare)
     with proxy(pair.live.stomp_port) as cut:

@@ -151,11 +151,12 @@ class Transactions:
             fate = transaction.commit_cut(timed_out=isinstance(exc, CallTimeoutError))
             handle = self._take_tx(fate.rollback_on_broker)
             self.rules.transaction_ended()
-            if fate.rollback_on_broker:
+            undo = fate.rollback_on_broker or fate.give_back
+            if undo:
                 # Given back below: the broker delivers them anew, under new ids. A copy a
                 # reattach resent under the old ids is stale: never hand it out.
                 self._drop_buffered(received)
-        if fate.rollback_on_broker:
+        if undo:
             self._end_on_broker(handle, commit=False, received=received, quiet=True)
         raise fate.error(exc) from None
 

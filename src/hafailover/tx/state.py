@@ -80,6 +80,9 @@ class CommitDecision:
     action: CommitAction
     code: ErrorCode | None = None  # the error to raise, for the two raising actions
     rollback_on_broker: bool = False  # the broker still holds the transaction: roll it back
+    # The deliveries received in the transaction are still this session's, on a link that
+    # lives on: give them back, so the broker delivers them again now.
+    give_back: bool = False
     reason: str = ""  # why it was rolled back, when that is known at the decision
 
     def error(self, cause: BaseException | None = None) -> HaFailoverError:
@@ -198,6 +201,7 @@ class TransactionState:
                 CommitAction.ROLL_BACK_AND_RAISE,
                 ErrorCode.TRANSACTION_ROLLED_BACK,
                 rollback_on_broker=timed_out and self._broker_has_tx,
+                give_back=timed_out,
             )
         else:
             fate = CommitDecision(CommitAction.RAISE, ErrorCode.TRANSACTION_OUTCOME_UNKNOWN)
@@ -225,6 +229,7 @@ class TransactionState:
             CommitAction.ROLL_BACK_AND_RAISE,
             ErrorCode.TRANSACTION_ROLLED_BACK,
             rollback_on_broker=on_broker,
+            give_back=True,
             reason=(
                 f"the broker refused a send of the transaction, which was rolled back: {refusal}"
             ),
@@ -270,6 +275,7 @@ class TransactionState:
                 CommitAction.ROLL_BACK_AND_RAISE,
                 ErrorCode.TRANSACTION_ROLLED_BACK,
                 rollback_on_broker=reattached and self._broker_has_tx,
+                give_back=reattached,
             )
             self._reset()
             return True
