@@ -57,6 +57,9 @@ Effects, in the order they are returned:
   outcome is known: FAILOVER (with reattached or not) or DISCONNECT.
 - F2: when attempts run out, or reconnection ends for any other reason, pending
   and later calls fail with DISCONNECT and the listener hears it.
+- F11: a queue browser iterating when the link is lost, or when the connection
+  ends, is invalidated (``InvalidateBrowsers``): the rest of its snapshot died with
+  the link, whatever the failover does next.
 - F12: the first connection failing ends in FAILED with NOT_CONNECTED and no
   listener call (there was no connection to lose).
 """
@@ -86,6 +89,7 @@ __all__ = [
     "FailoverMachine",
     "FailoverState",
     "FailoverStateError",
+    "InvalidateBrowsers",
     "LearnTopology",
     "Lost",
     "NotifyListener",
@@ -229,6 +233,11 @@ class FailPendingCalls:
 
 
 @attrs.frozen
+class InvalidateBrowsers:
+    """Queue browsers iterating now must raise BrowserInvalidatedError (F11)."""
+
+
+@attrs.frozen
 class WakeBlockedCalls:
     """Wake calls parked by stop-the-world so they re-check admission (F1)."""
 
@@ -251,6 +260,7 @@ Effect: TypeAlias = (
     | RecreateSessions
     | UnblockPendingCalls
     | FailPendingCalls
+    | InvalidateBrowsers
     | WakeBlockedCalls
     | NotifyListener
 )
@@ -325,7 +335,11 @@ def _stale_or(handler: _Handler) -> _Handler:
 
 
 def _initial_exhausted(machine: FailoverMachine, event: Event) -> _Outcome:
-    return [FailPendingCalls(ErrorCode.NOT_CONNECTED), WakeBlockedCalls()], S.FAILED
+    return [
+        FailPendingCalls(ErrorCode.NOT_CONNECTED),
+        InvalidateBrowsers(),
+        WakeBlockedCalls(),
+    ], S.FAILED
 
 
 def _lost_while_up(machine: FailoverMachine, event: Event) -> _Outcome:
@@ -333,10 +347,11 @@ def _lost_while_up(machine: FailoverMachine, event: Event) -> _Outcome:
     if machine.reconnect_enabled:
         machine.failovers_started += 1
         machine.loss_untold = True
-        return [StartReconnect()], S.FAILING_OVER
+        return [InvalidateBrowsers(), StartReconnect()], S.FAILING_OVER
     return [
         CloseTransport(),
         FailPendingCalls(ErrorCode.DISCONNECT),
+        InvalidateBrowsers(),
         WakeBlockedCalls(),
         NotifyListener(ErrorCode.DISCONNECT, reason=event.reason),
     ], S.FAILED
@@ -382,6 +397,7 @@ def _failover_exhausted(machine: FailoverMachine, event: Event) -> _Outcome:
     machine.restoring = None
     return [
         FailPendingCalls(ErrorCode.DISCONNECT),
+        InvalidateBrowsers(),
         WakeBlockedCalls(),
         NotifyListener(ErrorCode.DISCONNECT, reason=event.reason),
     ], S.FAILED
@@ -397,7 +413,12 @@ def _exhausted_after_failure(machine: FailoverMachine, event: Event) -> _Outcome
 
 def _close(effects: list[Effect]) -> _Handler:
     def handler(machine: FailoverMachine, event: Event) -> _Outcome:
-        return [*effects, FailPendingCalls(ErrorCode.CLOSED), WakeBlockedCalls()], S.CLOSED
+        return [
+            *effects,
+            FailPendingCalls(ErrorCode.CLOSED),
+            InvalidateBrowsers(),
+            WakeBlockedCalls(),
+        ], S.CLOSED
 
     return handler
 

@@ -19,6 +19,7 @@ from hafailover.failover import (
     FailoverState,
     FailoverStateError,
     FailPendingCalls,
+    InvalidateBrowsers,
     LearnTopology,
     Lost,
     NotifyListener,
@@ -80,14 +81,18 @@ def test_first_connection() -> None:
 def test_f12_initial_connection_failure_is_not_connected_and_not_told_to_listener() -> None:
     m = FailoverMachine(reconnect_enabled=True)
     effects = m.handle(Exhausted(1, "refused"))
-    assert effects == [FailPendingCalls(ErrorCode.NOT_CONNECTED), WakeBlockedCalls()]
+    assert effects == [
+        FailPendingCalls(ErrorCode.NOT_CONNECTED),
+        InvalidateBrowsers(),
+        WakeBlockedCalls(),
+    ]
     assert not any(isinstance(e, NotifyListener) for e in effects)
     assert m.admit() == (Admission.RAISE, ErrorCode.NOT_CONNECTED)
 
 
 def test_f1_calls_wait_while_failing_over() -> None:
     m = machine_in(S.CONNECTED)
-    assert m.handle(Lost("socket closed")) == [StartReconnect()]
+    assert m.handle(Lost("socket closed")) == [InvalidateBrowsers(), StartReconnect()]
     assert m.state is S.FAILING_OVER
     assert m.admit() == (Admission.WAIT, None)
     assert m.failovers_started == 1
@@ -126,7 +131,7 @@ def test_a_loss_noticed_several_times_is_one_failover() -> None:
     counts."""
     m = FailoverMachine(reconnect_enabled=True)
     m.handle(Connected(LIVE, link=1))
-    assert m.handle(Lost("write failed", link=1)) == [StartReconnect()]
+    assert m.handle(Lost("write failed", link=1)) == [InvalidateBrowsers(), StartReconnect()]
     assert m.handle(Lost("connection closed", link=1)) == []
     assert m.handle(Lost("heart-beat timeout", link=1)) == []
     assert m.state is S.FAILING_OVER and m.failovers_started == 1
@@ -199,6 +204,7 @@ def test_f2_f10_a_driver_bug_in_the_middle_of_a_failover_still_tells_the_listene
     assert m.state is S.FAILED
     assert m.handle(Exhausted(1, "a bug")) == [
         FailPendingCalls(ErrorCode.DISCONNECT),
+        InvalidateBrowsers(),
         WakeBlockedCalls(),
         NotifyListener(ErrorCode.DISCONNECT, reason="a bug"),
     ]
@@ -220,6 +226,7 @@ def test_f2_exhausted_disconnects_everyone() -> None:
     effects = m.handle(Exhausted(5, "refused"))
     assert effects == [
         FailPendingCalls(ErrorCode.DISCONNECT),
+        InvalidateBrowsers(),
         WakeBlockedCalls(),
         NotifyListener(ErrorCode.DISCONNECT, reason="refused"),
     ]
@@ -239,7 +246,12 @@ def test_f2_f10_loss_without_reconnect_is_final_and_told_once() -> None:
 def test_f2_close_releases_all_waiters_and_stops_reconnecting(state: FailoverState) -> None:
     m = machine_in(state)
     effects = m.handle(CloseRequested())
-    assert effects == [CancelReconnect(), FailPendingCalls(ErrorCode.CLOSED), WakeBlockedCalls()]
+    assert effects == [
+        CancelReconnect(),
+        FailPendingCalls(ErrorCode.CLOSED),
+        InvalidateBrowsers(),
+        WakeBlockedCalls(),
+    ]
     assert m.admit() == (Admission.RAISE, ErrorCode.CLOSED)
 
 
@@ -249,6 +261,7 @@ def test_close_while_up(state: FailoverState) -> None:
     assert m.handle(CloseRequested()) == [
         CloseTransport(),
         FailPendingCalls(ErrorCode.CLOSED),
+        InvalidateBrowsers(),
         WakeBlockedCalls(),
     ]
 
@@ -256,7 +269,7 @@ def test_close_while_up(state: FailoverState) -> None:
 @pytest.mark.parametrize("state", [S.REATTACHED, S.RECONNECTED])
 def test_a_second_failure_starts_a_new_failover(state: FailoverState) -> None:
     m = machine_in(state)
-    assert m.handle(Lost("again")) == [StartReconnect()]
+    assert m.handle(Lost("again")) == [InvalidateBrowsers(), StartReconnect()]
     assert m.failovers_started == 2
 
 
@@ -353,3 +366,28 @@ def test_every_state_and_input_is_legal_or_a_clean_error(
     listener_calls += sum(isinstance(e, NotifyListener) for e in m.handle(Exhausted(1, "the end")))
     if m.state is S.FAILED and m.ever_connected:
         assert listener_calls == losses + owed
+
+
+@given(st.lists(events, max_size=30))
+def test_f11_browsers_are_invalidated_exactly_when_the_link_is_lost_or_the_connection_ends(
+    script: list[Event],
+) -> None:
+    """The one place F11 is decided: the first notice of the current link's loss, and
+    every way the connection ends, invalidate the browsers iterating; nothing else does
+    (a repeated notice, a stale link's, a completed failover)."""
+    m = FailoverMachine(reconnect_enabled=True)
+    for event in script:
+        before = m.state
+        current = m.link
+        try:
+            effects = m.handle(event)
+        except FailoverStateError:
+            continue
+        invalidated = InvalidateBrowsers() in effects
+        starts_failover = (
+            isinstance(event, Lost)
+            and event.link == current
+            and before in (S.CONNECTED, S.REATTACHED, S.RECONNECTED)
+        )
+        ends = any(isinstance(effect, FailPendingCalls) for effect in effects)
+        assert invalidated == (starts_failover or ends), (before, event, effects)

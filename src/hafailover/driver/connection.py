@@ -78,6 +78,7 @@ from hafailover.failover import (
     FailoverMachine,
     FailoverState,
     FailPendingCalls,
+    InvalidateBrowsers,
     LearnTopology,
     NotifyListener,
     ReattachSessions,
@@ -484,8 +485,9 @@ class Connection(Calls, LinkEventHandlers):
             elif isinstance(effect, FailPendingCalls):
                 error = error_for(effect.code, f"connection {effect.code.value}")
                 after.extend(self._end_calls(self._core.release_all(), error))
-                for session in self._sessions.values():
-                    session._wake_browsers()
+            elif isinstance(effect, InvalidateBrowsers):
+                for browser in self._browsing.values():
+                    browser._invalidate()  # F11: the rest of its snapshot died with the link
             elif isinstance(effect, WakeBlockedCalls):
                 self._cond.notify_all()
             elif isinstance(effect, NotifyListener):

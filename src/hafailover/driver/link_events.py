@@ -141,8 +141,6 @@ class LinkEventHandlers:
                 self._lost_reason = reason
                 self._lost_from = from_broker
                 log.warning("connection to %s lost: %s; failing over", from_broker, reason)
-                for browser in self._browsing.values():
-                    browser._invalidate()  # F11: the rest of its snapshot died with the link
                 self._notify_all(FailureDetected(from_broker, reason), None)
             after = self._apply(effects)
         run_deferred(after)

@@ -83,7 +83,6 @@ class Session(Transactions):
         self._dedup_pending: dict[str, tuple[Consumer, str | None]] = {}
         self._closed = False
         self._dispatcher: threading.Thread | None = None
-        self._browsers: list[Browser] = []
         # AUTO (F6): the last message's acknowledge, in flight, and whether the next message
         # may be handed out before it is confirmed; earlier pipelined ones still in flight.
         self._auto_ack: SendCompletion | None = None
@@ -177,10 +176,7 @@ class Session(Transactions):
         target = parse_destination(queue)
         if target.is_topic:
             raise ConfigurationError(f"only queues can be browsed, not {target}")
-        browser = Browser(self, target)
-        with self.connection._cond:
-            self._browsers.append(browser)
-        return browser
+        return Browser(self, target)
 
     def create_temporary_queue(self) -> Destination:
         """A queue that lives as long as the connection; recreated by name after failover."""
@@ -338,16 +334,10 @@ class Session(Transactions):
             self._dedup_pending.clear()  # deliveries of the old session: never acknowledged
             for consumer in self._consumers.values():
                 consumer._held_ids.clear()
-            for browser in self._browsers:
-                browser._invalidate()
         if outcome.discard_prefetched:
             for consumer in self._consumers.values():
                 consumer._drop_buffer(give_back=False)
             self._tag_subscriptions.clear()
-
-    def _wake_browsers(self) -> None:
-        for browser in self._browsers:
-            browser._invalidate()
 
     # --- listener dispatch ------------------------------------------------------------------
 
