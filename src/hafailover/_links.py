@@ -40,7 +40,7 @@ from hafailover.errors import (
 )
 from hafailover.message import Message
 from hafailover.url import BrokerAddress, FailoverPolicy
-from hafailover.window import ConfirmationWindow
+from hafailover.window import ConfirmationWindow, command_flags
 
 __all__ = ["AmqpLink", "Link", "LinkEvents", "LinkFactory", "StompLink", "make_link"]
 
@@ -222,13 +222,11 @@ class StompLink:
             headers["transaction"] = str(tx)
         if token is not None:
             headers["receipt"] = f"{_TOKEN_PREFIX}{token}"
+        replayable, resendable = command_flags(
+            transacted=tx is not None, stamped=DUPLICATE_ID in headers
+        )
         return self._write(
-            "SEND",
-            headers,
-            message.body_bytes,
-            replayable=tx is None,
-            # a copy the broker already has is dropped by its duplicate id (F13)
-            resendable=tx is None and DUPLICATE_ID in headers,
+            "SEND", headers, message.body_bytes, replayable=replayable, resendable=resendable
         )
 
     def subscribe(
@@ -275,14 +273,15 @@ class StompLink:
             headers["transaction"] = str(tx)
         if token is not None:
             headers["receipt"] = f"{_TOKEN_PREFIX}{token}"
-        self._write("ACK", headers, replayable=tx is None)
+        replayable, _ = command_flags(transacted=tx is not None, stamped=False)
+        self._write("ACK", headers, replayable=replayable)
 
     def redeliver(self, subscription: str, tag: str) -> None:
         self._write("NACK", {"id": tag})
 
     def begin(self) -> object:
         name = f"tx-{self.serial}-{next(self._tx_names)}"
-        self._write("BEGIN", {"transaction": name}, replayable=False)
+        self._write("BEGIN", {"transaction": name}, replayable=False)  # transacted (F9)
         return name
 
     def end(self, tx: object, *, commit: bool, token: int) -> None:

@@ -88,6 +88,13 @@ def _to_destination(value: str | Destination | None) -> Destination | None:
     return None if value is None else parse_destination(value)
 
 
+def stamps_duplicate_id(*, persistent: bool, duplicate_detection: bool) -> bool:
+    """F13, decided here alone: a send carries its duplicate id (``_AMQ_DUPL_ID``) when it
+    is persistent and the URL's duplicate_detection is on, so a resend after an unknown
+    outcome is dropped by a broker that detects duplicates."""
+    return persistent and duplicate_detection
+
+
 @attrs.define(eq=False)
 class Message:
     """One message. Build it with a body and options; read the rest after a receive."""

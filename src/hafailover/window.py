@@ -46,9 +46,18 @@ __all__ = [
     "ReattachPlan",
     "ReconnectPlan",
     "WindowFullError",
+    "command_flags",
 ]
 
 P = TypeVar("P")
+
+
+def command_flags(*, transacted: bool, stamped: bool) -> tuple[bool, bool]:
+    """Whether a command is (replayable, resendable), decided here alone. A transacted
+    command is never replayed nor resent: lost work means rollback, not repair (F9). Any
+    other is replayed on a reattach, and resent on a reconnect when it is a send stamped
+    with a duplicate id (F13), since the broker drops a copy it already has."""
+    return not transacted, stamped and not transacted
 
 
 class WindowFullError(IllegalStateError):

@@ -7,10 +7,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hafailover.message import stamps_duplicate_id
 from hafailover.window import (
     ConfirmationWindow,
     ReattachImpossibleError,
     WindowFullError,
+    command_flags,
 )
 
 
@@ -220,3 +222,17 @@ def test_forced_commands_are_numbered_past_a_full_window() -> None:
     assert w.buffered_bytes == 25
     assert w.confirm(1) == 2
     assert w.buffered_bytes == 0
+
+
+@pytest.mark.parametrize("transacted", [False, True])
+@pytest.mark.parametrize("stamped", [False, True])
+def test_f9_f13_which_commands_are_replayed_and_resent(transacted: bool, stamped: bool) -> None:
+    replayable, resendable = command_flags(transacted=transacted, stamped=stamped)
+    assert replayable is not transacted  # F9: transacted work is never repaired
+    assert resendable is (stamped and not transacted)  # F13: only what a broker can drop
+
+
+def test_f13_only_persistent_sends_with_duplicate_detection_are_stamped() -> None:
+    assert stamps_duplicate_id(persistent=True, duplicate_detection=True)
+    assert not stamps_duplicate_id(persistent=False, duplicate_detection=True)
+    assert not stamps_duplicate_id(persistent=True, duplicate_detection=False)

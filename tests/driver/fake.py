@@ -27,9 +27,9 @@ from hafailover._links import LinkEvents
 from hafailover.adapters.base import Opened
 from hafailover.destination import Destination
 from hafailover.errors import IllegalStateError, NotConnectedError
-from hafailover.message import Message
+from hafailover.message import Message, stamps_duplicate_id
 from hafailover.url import BrokerAddress, FailoverPolicy
-from hafailover.window import ConfirmationWindow
+from hafailover.window import ConfirmationWindow, command_flags
 
 _SERIALS = itertools.count(1000)
 
@@ -345,9 +345,12 @@ class FakeLink:
         self, destination: Destination, message: Message, *, tx: object, token: int | None
     ) -> int:
         message.ensure_message_id()  # as the adapters do when they encode a send
-        stamped = message.persistent and self.policy.duplicate_detection
+        stamped = stamps_duplicate_id(
+            persistent=message.persistent, duplicate_detection=self.policy.duplicate_detection
+        )
         frame = Frame("SEND", token, message, destination.name, tx)
-        return self._write(frame, replayable=tx is None, resendable=tx is None and stamped)
+        replayable, resendable = command_flags(transacted=tx is not None, stamped=stamped)
+        return self._write(frame, replayable=replayable, resendable=resendable)
 
     def subscribe(
         self,
@@ -369,7 +372,8 @@ class FakeLink:
         self._write(Frame("SUBSCRIBE", destination=queue.name, subscription=subscription))
 
     def acknowledge(self, subscription: str, tag: str, *, tx: object, token: int | None) -> None:
-        self._write(Frame("ACK", token, tx=tx, tag=tag), replayable=tx is None)
+        replayable, _ = command_flags(transacted=tx is not None, stamped=False)
+        self._write(Frame("ACK", token, tx=tx, tag=tag), replayable=replayable)
 
     def redeliver(self, subscription: str, tag: str) -> None:
         self._write(Frame("NACK", tag=tag))

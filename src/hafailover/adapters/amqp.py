@@ -88,7 +88,7 @@ from hafailover.errors import (
     TransactionOutcomeUnknownError,
     UnblockedError,
 )
-from hafailover.message import Message, PropertyValue
+from hafailover.message import Message, PropertyValue, stamps_duplicate_id
 from hafailover.url import BrokerAddress
 
 __all__ = [
@@ -334,7 +334,7 @@ def encode_message(
     properties: dict[str, PropertyValue] = {
         str(k): _property_out(v) for k, v in message.properties.items()
     }
-    if message.persistent and duplicate_detection:
+    if stamps_duplicate_id(persistent=message.persistent, duplicate_detection=duplicate_detection):
         properties[DUPLICATE_ID] = message_id  # Artemis reads this one
     if properties:
         out.properties = properties  # type: ignore[assignment] # proton annotates only None

@@ -27,7 +27,7 @@ import stomp.exception
 from hafailover.adapters.base import Opened, TlsOptions, detects_duplicates, parse_topology
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
-from hafailover.message import Message, PropertyValue
+from hafailover.message import Message, PropertyValue, stamps_duplicate_id
 from hafailover.stomp_frame import encode_frame
 from hafailover.url import BrokerAddress
 
@@ -146,7 +146,7 @@ def send_headers(
     if message.reply_to is not None:
         headers["reply-to"] = stomp_address(message.reply_to)
     message_id = message.ensure_message_id()
-    if message.persistent and duplicate_detection:
+    if stamps_duplicate_id(persistent=message.persistent, duplicate_detection=duplicate_detection):
         headers[DUPLICATE_ID] = message_id
     return headers
 

@@ -26,7 +26,7 @@ from hafailover.errors import (
     NotConnectedError,
     UnblockedError,
 )
-from hafailover.message import Message, PropertyValue, new_message_id
+from hafailover.message import Message, PropertyValue, new_message_id, stamps_duplicate_id
 from hafailover.sessions import CallKind
 
 if TYPE_CHECKING:
@@ -173,7 +173,10 @@ class Producer:
                         session,
                         destination=target,
                         producer=self,
-                        resendable=connection.policy.duplicate_detection,
+                        resendable=stamps_duplicate_id(
+                            persistent=msg.persistent,
+                            duplicate_detection=connection.policy.duplicate_detection,
+                        ),
                         size=0 if link.windowed else size,
                     )
                     self._outstanding += 1
