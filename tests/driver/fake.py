@@ -50,6 +50,7 @@ class Frame:
     tag: str = ""
     subscription: str = ""
     command_id: int = -1
+    stamped: bool = False  # a SEND that carries its duplicate id (F13)
 
 
 @attrs.define
@@ -75,6 +76,7 @@ class FakeBroker:
             collections.deque
         )
         self.stored_ids: collections.Counter[str] = collections.Counter()
+        self.arrived_ids: collections.Counter[str] = collections.Counter()
         self.sessions: dict[str, ServerSession] = {}
         self.links: list[FakeLink] = []
         # How the next connection attempts are answered: "reattach" (if the session is
@@ -231,8 +233,9 @@ class FakeBroker:
         message = frame.message
         assert message is not None
         message_id = message.message_id or ""
-        if self.duplicate_detection and message.persistent and self.stored_ids[message_id]:
-            return  # a copy it already has (F13)
+        self.arrived_ids[message_id] += 1  # every copy that reached the broker
+        if self.duplicate_detection and frame.stamped and self.stored_ids[message_id]:
+            return  # a copy it already has (F13); only a duplicate id tells it so
         self.stored_ids[message_id] += 1
         self.queues[frame.destination].append(message)
 
@@ -348,7 +351,7 @@ class FakeLink:
         stamped = stamps_duplicate_id(
             persistent=message.persistent, duplicate_detection=self.policy.duplicate_detection
         )
-        frame = Frame("SEND", token, message, destination.name, tx)
+        frame = Frame("SEND", token, message, destination.name, tx, stamped=stamped)
         replayable, resendable = command_flags(transacted=tx is not None, stamped=stamped)
         return self._write(frame, replayable=replayable, resendable=resendable)
 

@@ -73,6 +73,12 @@ class DriverUnderFailover(RuleBasedStateMachine):
         self.maybe_committed: list[str] = []
         self.failovers = 0
         self.work = 0
+        # Non-persistent sends: no duplicate id, never confirmed, so never sent twice.
+        self.unstamped: list[SendCompletion] = []
+        # CLIENT (F8): ids received since the last acknowledge, and ids whose acknowledge
+        # the broker confirmed: those must never be delivered again.
+        self.held: list[str] = []
+        self.acknowledged: set[str] = set()
 
     def teardown(self) -> None:
         try:
@@ -88,6 +94,8 @@ class DriverUnderFailover(RuleBasedStateMachine):
         for completion in self.sends:
             with contextlib.suppress(HaFailoverError):
                 completion.result(5)
+        # What was written last (non-persistent sends complete as written) is read too.
+        wait_until(lambda: not self.broker.current().wire, "the broker to read the wire", 5)
 
     # --- API calls ----------------------------------------------------------------------
 
@@ -95,6 +103,13 @@ class DriverUnderFailover(RuleBasedStateMachine):
     def send_async(self, which: int, count: int) -> None:
         for _ in range(count):
             self.sends.append(self.producers[which].send_async("order"))
+
+    @rule(count=st.integers(1, 3))
+    def send_non_persistent(self, count: int) -> None:
+        """F5: non-persistent sends carry no duplicate id; a failover may lose them (in
+        doubt) but must never send one twice."""
+        for _ in range(count):
+            self.unstamped.append(self.producers[1].send_async("quote", persistent=False))
 
     @rule(count=st.integers(1, 3))
     def commit(self, count: int) -> None:
@@ -131,14 +146,27 @@ class DriverUnderFailover(RuleBasedStateMachine):
         message = self.consumer.receive(0.2)
         if message is None:
             return
+        message_id = message.message_id or ""
+        assert message_id not in self.acknowledged, (
+            f"{message_id} came again after the broker confirmed its acknowledge"
+        )
+        self.held.append(message_id)
         try:
             message.acknowledge()
         except StaleAcknowledgeError:
-            return  # F8: the session recovered; the message comes again
+            self.held.clear()  # F8: the session recovered; they come again
+            return
+        except HaFailoverError:
+            self.held.clear()  # not confirmed: it may come again
+            return
+        # CLIENT acknowledges everything the session delivered so far, confirmed.
+        self.acknowledged.update(self.held)
+        self.held.clear()
 
     @rule()
     def recover(self) -> None:
         self.client.recover()
+        self.held.clear()
 
     # --- failures -------------------------------------------------------------------------
 
@@ -190,6 +218,12 @@ class DriverUnderFailover(RuleBasedStateMachine):
                 assert isinstance(error, UnblockedError), error
                 assert message_id in in_doubt, f"{message_id} given up but not reported"
                 assert stored[message_id] <= 1
+        arrived = self.broker.arrived_ids
+        for completion in self.unstamped:
+            assert completion.message is not None
+            message_id = completion.message.message_id or ""
+            # Lost with a reconnected session, as documented (F5), or stored once.
+            assert arrived[message_id] <= 1, f"non-persistent {message_id} was sent twice"
         for message_id in self.committed:
             assert stored[message_id] == 1, f"committed {message_id} not stored once"
         for message_id in self.maybe_committed:

@@ -506,7 +506,7 @@ class Connection(Calls, LinkEventHandlers):
         for session in self._sessions.values():
             outcome = plan.outcomes.get(session.session_id)
             if outcome is not None:
-                session._failed_over(outcome, link, reattached=True)
+                session._failed_over(outcome, link, plan)
         return callbacks
 
     def _recreate(self, plan: FailoverPlan) -> Callable[[], None]:
@@ -519,7 +519,7 @@ class Connection(Calls, LinkEventHandlers):
         for session in self._sessions.values():
             outcome = plan.outcomes.get(session.session_id)
             if outcome is not None:
-                session._failed_over(outcome, link, reattached=False)
+                session._failed_over(outcome, link)
             consumers.extend(c for c in session._consumers.values() if not c._closed)
             temporary.extend(session._temporary)
 

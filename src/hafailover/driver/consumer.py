@@ -62,6 +62,9 @@ class Consumer:
         self.prefetch = prefetch
         self._buffer: collections.deque[tuple[int, str, Message]] = collections.deque()
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Tags this consumer gave back (NACK) in the broker session a reattach keeps: the
+        # reattach extension never reuses a tag within a session (docs/protocol-reattach.md).
+        self._given_back: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._listener: Callable[[Message], None] | None = None
         self._closed = False
         self._on_link = 0  # serial of the link this consumer is subscribed on
@@ -129,6 +132,10 @@ class Consumer:
         """Under the lock, from the transport: buffer a delivery (dropping reattach repeats)."""
         if self._closed:
             return
+        if tag in self._given_back:
+            # Given back already: a reattached server sends it again under the same tag
+            # until it has read the give-back, then delivers it anew under a new one.
+            return
         seen = self._seen
         if tag in seen:
             return  # resent after a reattach while we still hold it
@@ -138,6 +145,13 @@ class Consumer:
         self._buffer.append((self.session.rules.generation, tag, message))
         connection = self.session.connection
         connection._cond.notify_all()
+
+    def _given_back_on_session(self, tag: str) -> None:
+        """Under the lock: ``tag`` went back to a broker that reattaches sessions."""
+        given_back = self._given_back
+        given_back[tag] = None
+        if len(given_back) > 4 * self.prefetch + 1000:
+            given_back.popitem(last=False)
 
     def _take(self) -> Message | None:
         """Under the lock: the next deliverable message, registered with the ack rules."""

@@ -46,7 +46,7 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message
-from hafailover.sessions import CallKind
+from hafailover.sessions import CallKind, FailoverPlan
 
 if TYPE_CHECKING:
     from hafailover.driver.connection import Connection
@@ -315,10 +315,16 @@ class Session(Transactions):
             if subscription:
                 with contextlib.suppress(HaFailoverError):
                     link.redeliver(subscription, tag)
+                consumer = self._consumers.get(subscription)
+                if link.windowed and consumer is not None:
+                    consumer._given_back_on_session(tag)
 
-    def _failed_over(self, outcome: FailoverOutcome, link: Link, *, reattached: bool) -> None:
-        """Under the lock: carry out what this session's rules decided at a failover."""
-        if reattached:
+    def _failed_over(
+        self, outcome: FailoverOutcome, link: Link, plan: FailoverPlan | None = None
+    ) -> None:
+        """Under the lock: carry out what this session's rules decided at a failover
+        (``plan``: the reattach's; None for a reconnect)."""
+        if plan is not None and plan.reattached:
             # The server kept the session: its subscriptions and transaction live on.
             for consumer in self._consumers.values():
                 if consumer._on_link:
@@ -326,6 +332,8 @@ class Session(Transactions):
             if self._tx is not None:
                 self._tx_link = link.serial
         else:
+            for consumer in self._consumers.values():
+                consumer._given_back.clear()  # tags of a session the broker has ended
             self._tx = None
             self._tx_sends = []
             # Pipelined acknowledges the reconnect lost: their messages' redeliveries are
