@@ -53,27 +53,6 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# The driver (threads, sockets, stomp.py and proton) loads on first use of one of its
-# names, so that the pure core (hafailover.failover, .sessions, .window, .ack_modes,
-# .tx, ...) imports without either client library.
-_DRIVER_NAMES = frozenset(
-    {
-        "Browser",
-        "Connection",
-        "ConnectionEvent",
-        "ConnectionStatistics",
-        "Consumer",
-        "FailoverCompleted",
-        "FailoverFailed",
-        "FailureDetected",
-        "Producer",
-        "SendCompletion",
-        "Session",
-        "TransactionBlock",
-        "connect",
-    }
-)
-
 
 def __getattr__(name: str) -> Any:
     if name in _DRIVER_NAMES:
@@ -83,6 +62,10 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hafailover' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [
@@ -135,3 +118,8 @@ __all__ = [
     "parse_destination",
     "parse_url",
 ]
+
+# The driver (threads, sockets, stomp.py and proton) loads on first use of one of its
+# names, so that the pure core (hafailover.failover, .sessions, .window, .ack_modes,
+# .tx, ...) imports without either client library: the public names not bound above.
+_DRIVER_NAMES = frozenset(name for name in __all__ if name not in globals())

@@ -330,3 +330,14 @@ def test_client_modes_never_send_a_stale_ack(mode: AckMode, ops: list[tuple[str,
             else:
                 assert outcome.stale == before and rules.unacknowledged == ()
                 assert outcome.dirty == rules.dirty
+
+
+def test_session_acknowledge_covers_every_delivery_in_both_client_modes() -> None:
+    for mode in (AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL):
+        rules = rules_for(mode, 1)
+        for tag in ("a", "b", "c"):
+            rules.delivered(tag)
+        decision = rules.acknowledge_all()
+        assert decision.action is AckAction.SEND
+        assert sorted(decision.tags) == ["a", "b", "c"], mode
+        assert rules.acknowledge_all().action is AckAction.NOTHING  # nothing left

@@ -109,7 +109,7 @@ def test_f4_f8_a_delivery_given_back_never_comes_back_under_its_old_tag(scenario
     handed out, acknowledged, they came again under their new tags."""
     from .test_driver_under_failover import DriverUnderFailover
 
-    for _ in range(5):  # the resends race the application: five runs make it certain
+    for _ in range(5):  # the resends race the application: five runs make it likely
         state = DriverUnderFailover()
         try:
             for step in SCENARIOS[scenario]:
@@ -125,3 +125,26 @@ def test_f4_f8_a_delivery_given_back_never_comes_back_under_its_old_tag(scenario
         finally:
             state.connection.close()
             state.broker.stop()
+
+
+def test_f8_a_give_back_that_could_not_be_written_leaves_the_message_deliverable(
+    broker: FakeBroker,
+) -> None:
+    """recover() on a link that died unnoticed: the give-back's write fails, which starts
+    the failover; the reattached server sends the message again under its old tag, and
+    that copy is delivered (it was never given back)."""
+    with hafailover.connect(url(), link_factory=link_factory(broker)) as c:
+        session = c.create_session(AckMode.CLIENT)
+        consumer = session.create_consumer("queue://work")
+        c.create_session().create_producer("queue://work").send("job")
+        c.start()
+        assert consumer.receive(5) is not None
+        with broker.paused():
+            broker.answers.append("reattach")
+            lose(broker.current(), "writer")  # nobody noticed: the next write fails
+            session.recover()
+        wait_until(failed_over(c), "the failover the failed give-back started")
+        again = consumer.receive(5)
+        assert again is not None and again.body == "job"
+        again.acknowledge()
+        assert broker.violations == []

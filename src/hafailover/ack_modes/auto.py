@@ -154,3 +154,4 @@ class DupsOkAckRules(AutoAckRules):
 
 class NoAckRules(AckRules):
     mode: ClassVar[AckMode] = AckMode.NO_ACKNOWLEDGE
+    acknowledges_deliveries: ClassVar[bool] = False

@@ -102,6 +102,9 @@ class AckRules:
     confirms_acknowledges: ClassVar[bool] = False
     # the application acknowledges with acknowledge() (CLIENT modes, F8)
     acknowledged_by_application: ClassVar[bool] = False
+    # deliveries are acknowledged at all (every mode but NO_ACKNOWLEDGE, which the broker
+    # settles as it sends)
+    acknowledges_deliveries: ClassVar[bool] = True
     # the session's transaction (SESSION_TRANSACTED, F9); None elsewhere
     transaction: TransactionState | None = None
 

@@ -107,3 +107,11 @@ class ClientIndividualAckRules(ClientAckRules):
             return AckDecision(AckAction.NOTHING)
         del self._unacked[delivery.tag]
         return AckDecision(AckAction.SEND, (delivery.tag,))
+
+    def acknowledge_all(self) -> AckDecision:
+        """Session.acknowledge() covers every message delivered, each acknowledged alone."""
+        decision = super().acknowledge_all()
+        if decision.action is AckAction.SEND and self._unacked:
+            decision = AckDecision(AckAction.SEND, (*self._unacked, *decision.tags))
+            self._unacked.clear()
+        return decision

@@ -338,10 +338,12 @@ class Connection(Calls, LinkEventHandlers):
             opened = link.open(broker, resume=resume)
             if opened.resumed:
                 with self._cond:
-                    possible = self._core.reattach_possible(opened.last_received)
-                if not possible:
-                    # Reattach would need transacted commands the broker never received: end
-                    # that session (its transactions roll back) and start a new one instead.
+                    refusal = self._core.reattach_refusal(opened.last_received)
+                if refusal is not None:
+                    # The core cannot reattach (its window and the server disagree, or
+                    # transacted commands never reached the server): end that server session
+                    # (its transactions roll back) and start a new one instead (F4, F5).
+                    log.info("not reattaching to %s: %s", broker.redacted(), refusal)
                     link.close()
                     link = self._make_opening_link()
                     opened = link.open(broker, resume=None)
@@ -408,8 +410,10 @@ class Connection(Calls, LinkEventHandlers):
             )
             plan = self._core.failover(resumed=opened.resumed, last_received=opened.last_received)
             self._session_parts = plan.sessions
+            # The plan says which it is: a resumed session the core cannot reattach to is
+            # planned as a reconnect (reattach_refusal, asked above, ended that session).
             connected = Connected(
-                opened.broker, resumed=opened.resumed, plan=plan, link=link.serial
+                opened.broker, resumed=plan.reattached, plan=plan, link=link.serial
             )
             after = self._apply(self._machine.handle(connected))
             self._take_early_deliveries(link)

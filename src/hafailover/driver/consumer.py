@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from hafailover._links import Link
-from hafailover.ack_modes import AckAction, AckMode
+from hafailover.ack_modes import AckAction
 from hafailover.dedup import DuplicateWindow, Remembered, remembered_at
 from hafailover.destination import Destination
 from hafailover.driver import tracing
@@ -80,7 +80,7 @@ class Consumer:
 
     @property
     def _acknowledged(self) -> bool:
-        return self.session.ack_mode is not AckMode.NO_ACKNOWLEDGE
+        return self.session.rules.acknowledges_deliveries
 
     def _subscribe_on(self, link: Link) -> None:
         """Subscribe on ``link``, once per link: a consumer created during a failover is

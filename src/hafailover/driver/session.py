@@ -313,8 +313,12 @@ class Session(Transactions):
         for tag in tags:
             subscription = self._tag_subscriptions.pop(tag, "")
             if subscription:
-                with contextlib.suppress(HaFailoverError):
+                try:
                     link.redeliver(subscription, tag)
+                except HaFailoverError as exc:
+                    # Not given back: the failover's rules decide what becomes of it.
+                    connection._io_failed(link, exc)
+                    continue
                 consumer = self._consumers.get(subscription)
                 if link.windowed and consumer is not None:
                     consumer._given_back_on_session(tag)

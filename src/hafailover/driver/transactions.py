@@ -99,7 +99,8 @@ class Transactions:
                 # Its link was replaced and no failover rule caught it.
                 moved = handle is not None and self._tx_link != self._commit_link
         if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
-            self._end_on_broker(handle, commit=False, received=received, quiet=True)
+            given_back = received if decision.give_back else ()
+            self._end_on_broker(handle, commit=False, received=given_back, quiet=True)
             raise decision.error()
         with connection._cond:
             caught = transaction.phase is not TxPhase.COMMITTING

@@ -72,7 +72,7 @@ class TxPhase(enum.Enum):
 class CommitAction(enum.Enum):
     SEND_COMMIT = "send commit"  # go ahead: write the commit and wait for the answer
     ROLL_BACK_AND_RAISE = "roll back and raise"  # rollback-only: roll back, raise
-    RAISE = "raise"  # a commit caught by failover: just raise (nothing left to undo)
+    RAISE = "raise"  # just raise: nothing left to undo (outcome unknown, or refused)
 
 
 @attrs.frozen
@@ -81,7 +81,8 @@ class CommitDecision:
     code: ErrorCode | None = None  # the error to raise, for the two raising actions
     rollback_on_broker: bool = False  # the broker still holds the transaction: roll it back
     # The deliveries received in the transaction are still this session's, on a link that
-    # lives on: give them back, so the broker delivers them again now.
+    # lives on: give them back, so the broker delivers them again now. (A refused commit
+    # leaves them to the broker, which rolled the transaction back.)
     give_back: bool = False
     reason: str = ""  # why it was rolled back, when that is known at the decision
 
@@ -161,6 +162,7 @@ class TransactionState:
                 CommitAction.ROLL_BACK_AND_RAISE,
                 ErrorCode.TRANSACTION_ROLLED_BACK,
                 rollback_on_broker=on_broker,
+                give_back=True,
                 reason=(
                     "the transaction was rolled back: a failover made it rollback-only; "
                     "replay its work and commit again"
