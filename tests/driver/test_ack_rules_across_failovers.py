@@ -5,7 +5,6 @@ redelivers its message in the automatic modes)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,14 +15,6 @@ from .fake import FakeBroker, link_factory
 from .test_failover_driver import Heard, failed_over, lose, url, wait_until
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def broker() -> Iterator[FakeBroker]:
-    started = FakeBroker()
-    started.start()
-    yield started
-    started.stop()
 
 
 @pytest.mark.parametrize("mode", [AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL])

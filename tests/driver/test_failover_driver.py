@@ -59,14 +59,6 @@ class Heard:
         self.errors.append(error)
 
 
-@pytest.fixture
-def broker() -> Iterator[FakeBroker]:
-    started = FakeBroker()
-    started.start()
-    yield started
-    started.stop()
-
-
 def open_connection(broker: FakeBroker, heard: Heard, **options: object) -> hafailover.Connection:
     return hafailover.connect(
         url(**options), exception_listener=heard, link_factory=link_factory(broker)

@@ -9,7 +9,7 @@ which the reconnect schedule never retries: one odd answer ended the connection 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -41,14 +41,6 @@ class OddReattach(FakeLink):
             self.skewed.append(odd)
             return attrs.evolve(opened, last_received=odd)
         return opened
-
-
-@pytest.fixture
-def broker() -> Iterator[FakeBroker]:
-    started = FakeBroker()
-    started.start()
-    yield started
-    started.stop()
 
 
 def factory(
