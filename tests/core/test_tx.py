@@ -355,3 +355,16 @@ def test_an_interrupted_commit_raises_what_its_fate_says(
     error = CommitDecision(CommitAction.RAISE, code).interrupted_error(cause)
     assert type(error) is raised
     assert says in str(error)
+
+
+def test_a_reconnect_forgets_a_transaction_begun_on_the_broker_with_no_work_yet() -> None:
+    """Begun on the broker (a STOMP BEGIN before the first send), clean, then reconnected:
+    the new session has no trace of it, so a rollback is local."""
+    tx = TransactionState()
+    tx.begun_on_broker()
+    assert tx.failover(reattached=False, lost_work=False) is False
+    assert tx.rollback().rollback_on_broker is False
+    kept = TransactionState()
+    kept.begun_on_broker()
+    kept.failover(reattached=True, lost_work=False)
+    assert kept.rollback().rollback_on_broker is True
