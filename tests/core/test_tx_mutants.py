@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hafailover.errors import CallTimeoutError, ErrorCode, IllegalStateError
+from hafailover.errors import CallTimeoutError, DisconnectedError, ErrorCode, IllegalStateError
 from hafailover.tx import CommitAction, CommitDecision, TransactionState
 
 
@@ -70,3 +70,69 @@ def test_f3_the_interrupted_commit_says_why(
     decision: CommitDecision, cause: BaseException | None, text: str
 ) -> None:
     assert str(decision.interrupted_error(cause)).startswith(text)
+
+
+# --- the CommitDecisions of the reworked commit path (each kills a mutant of its line) ---
+
+
+def test_a_cut_decision_passes_its_cause_on() -> None:
+    error = CommitDecision(CommitAction.RAISE, ErrorCode.TRANSACTION_OUTCOME_UNKNOWN).error(
+        DisconnectedError("gone")
+    )
+    assert isinstance(error, DisconnectedError)
+
+
+def test_the_rollback_only_decision_in_full() -> None:
+    tx = TransactionState()
+    tx.begun_on_broker()
+    tx.work()
+    tx.failover(reattached=True, lost_work=True)
+    decision = tx.begin_commit()
+    assert decision.action is CommitAction.ROLL_BACK_AND_RAISE
+    assert decision.give_back is True
+    assert str(decision.error()) == (
+        "the transaction was rolled back: a failover made it rollback-only; "
+        "replay its work and commit again"
+    )
+
+
+def test_a_cut_before_the_write_is_a_rollback_to_carry_out() -> None:
+    tx = TransactionState()
+    tx.work()
+    tx.begin_commit()
+    assert tx.commit_cut().action is CommitAction.ROLL_BACK_AND_RAISE
+
+
+def test_a_refused_commit_only_raises() -> None:
+    tx = TransactionState()
+    tx.work()
+    tx.begin_commit()
+    assert tx.commit_refused("no").action is CommitAction.RAISE
+
+
+def test_a_refused_transfer_in_full() -> None:
+    tx = TransactionState()
+    tx.work()
+    tx.begin_commit()
+    fate = tx.transfer_refused("full")
+    assert fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+    assert fate.give_back is True
+    assert tx.commit_fate() is None
+
+
+def test_a_commit_whose_outcome_is_unknown_is_doomed_by_the_failover() -> None:
+    tx = TransactionState()
+    tx.work()
+    tx.begin_commit()
+    tx.commit_written()
+    assert tx.failover(reattached=False, lost_work=False) is True
+
+
+@pytest.mark.parametrize("reattached", [False, True])
+def test_a_commit_caught_unwritten_gives_back_only_on_a_kept_session(reattached: bool) -> None:
+    tx = TransactionState()
+    tx.work()
+    tx.begin_commit()
+    tx.failover(reattached=reattached, lost_work=False)
+    fate = tx.commit_fate()
+    assert fate is not None and fate.give_back is reattached
