@@ -13,7 +13,7 @@ from hafailover.ack_modes import (
     check_link_reliability,
     rules_for,
 )
-from hafailover.errors import ConfigurationError, ErrorCode
+from hafailover.errors import ConfigurationError, ErrorCode, IllegalStateError
 
 NOT_TRANSACTED = [m for m in AckMode if m is not AckMode.SESSION_TRANSACTED]
 
@@ -133,3 +133,54 @@ def test_f9_a_reattach_tells_the_transaction_the_server_never_got_the_commit() -
     rules.failover(reattached=True, commit_received=False)
     fate = rules.transaction.commit_fate()
     assert fate is not None and fate.code is ErrorCode.TRANSACTION_ROLLED_BACK
+
+
+# --- the capabilities and decisions the driver now asks for ---
+
+
+@pytest.mark.parametrize("mode", [AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL])
+def test_session_acknowledge_of_a_dirty_session_with_nothing_new_raises_and_cleans(
+    mode: AckMode,
+) -> None:
+    rules = rules_for(mode, 1)
+    rules.delivered("m0")
+    rules.failover(reattached=False)
+    decision = rules.acknowledge_all()
+    assert decision.action is AckAction.RAISE
+    assert decision.code is ErrorCode.ACKNOWLEDGE_STALE
+    assert decision.redeliver == () and not decision.recover
+    assert rules.acknowledge_all().action is AckAction.NOTHING
+
+
+def test_the_implicit_recover_names_what_it_gives_back() -> None:
+    rules = rules_for(AckMode.CLIENT, 1)
+    rules.delivered("m0")
+    rules.failover(reattached=False)
+    rules.delivered("n1")
+    last = rules.delivered("n2")
+    decision = rules.acknowledge(last)
+    assert decision.recover and decision.redeliver == ("n1", "n2")
+
+
+@pytest.mark.parametrize("mode", [AckMode.NO_ACKNOWLEDGE, AckMode.SESSION_TRANSACTED])
+def test_the_base_rules_answer_for_modes_that_do_not_override_them(mode: AckMode) -> None:
+    rules = rules_for(mode, 1)
+    assert not rules.prefetched_stale(rules.generation)
+    generation = rules.generation
+    rules.failover(reattached=False)
+    assert rules.prefetched_stale(generation)
+    with pytest.raises(IllegalStateError, match="acknowledge\\(\\) is for CLIENT"):
+        rules.acknowledge_all()
+    assert rules.ack_failed(ErrorCode.UNBLOCKED, last=True).action is AckAction.NOTHING
+    assert rules.confirm_first(last_pipelined=False, last_done=False, in_flight=0).value == ("none")
+
+
+def test_the_capabilities_of_each_mode() -> None:
+    confirms = {m for m in AckMode if rules_for(m, 1).confirms_acknowledges}
+    by_application = {m for m in AckMode if rules_for(m, 1).acknowledged_by_application}
+    acknowledged = {m for m in AckMode if rules_for(m, 1).acknowledges_deliveries}
+    transacted = {m for m in AckMode if rules_for(m, 1).transaction is not None}
+    assert confirms == {AckMode.AUTO}
+    assert by_application == {AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL}
+    assert acknowledged == set(AckMode) - {AckMode.NO_ACKNOWLEDGE}
+    assert transacted == {AckMode.SESSION_TRANSACTED}

@@ -111,7 +111,7 @@ class ClientIndividualAckRules(ClientAckRules):
     def acknowledge_all(self) -> AckDecision:
         """Session.acknowledge() covers every message delivered, each acknowledged alone."""
         decision = super().acknowledge_all()
-        if decision.action is AckAction.SEND and self._unacked:
+        if decision.action is AckAction.SEND:
             decision = AckDecision(AckAction.SEND, (*self._unacked, *decision.tags))
             self._unacked.clear()
         return decision

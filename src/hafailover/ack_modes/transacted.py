@@ -46,7 +46,6 @@ class TransactedAckRules(AckRules):
         lost_work: bool = False,
         commit_received: bool | None = None,
     ) -> FailoverOutcome:
-        had_work = self.transaction.dirty
         doomed = self.transaction.failover(
             reattached=reattached, lost_work=lost_work, commit_received=commit_received
         )
@@ -60,5 +59,5 @@ class TransactedAckRules(AckRules):
             stale=stale,
             dirty=doomed,
             discard_prefetched=not reattached,
-            rolled_back=doomed and had_work,
+            rolled_back=doomed,  # only a transaction with work in it is ever doomed
         )
