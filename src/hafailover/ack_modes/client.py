@@ -49,36 +49,35 @@ class ClientAckRules(AckRules):
 
     def acknowledge_all(self) -> AckDecision:
         """Session.acknowledge(): every message delivered so far, as acknowledging the
-        last one does; a dirty session with nothing delivered since still raises (F8)."""
-        if self._unacked:
-            last = next(reversed(self._unacked))
-            return self.acknowledge(Delivery(self.session_id, self.generation, last))
+        last one does; a dirty session raises even with nothing delivered since (F8)."""
         if self.dirty:
-            return self.acknowledge(Delivery(self.session_id, self.generation, ""))
+            return self._recover_implicitly()
+        if self._unacked:
+            return self._acknowledge(next(reversed(self._unacked)))
         return AckDecision(AckAction.NOTHING)
 
     def acknowledge(self, delivery: Delivery) -> AckDecision:
         self.check_owner(delivery)
         if self.dirty:
-            # F8: recover implicitly (what was delivered since the failover goes back to
-            # the broker too), then tell the application its acknowledge failed.
-            held = tuple(self._unacked)
-            self._unacked.clear()
-            self.dirty = False
-            return AckDecision(
-                AckAction.RAISE,
-                code=ErrorCode.ACKNOWLEDGE_STALE,
-                recover=bool(held),
-                redeliver=held,
-            )
+            return self._recover_implicitly()
         if self.is_stale(delivery):
             # A clean session had nothing unacknowledged at the failover: this
             # message was acknowledged before it, so there is nothing to do.
             return AckDecision(AckAction.NOTHING)
-        return self._acknowledge(delivery)
+        return self._acknowledge(delivery.tag)
 
-    def _acknowledge(self, delivery: Delivery) -> AckDecision:
-        if delivery.tag not in self._unacked:
+    def _recover_implicitly(self) -> AckDecision:
+        """F8: the acknowledge of a dirty session recovers it (what was delivered since the
+        failover goes back to the broker too), then tells the application it failed."""
+        held = tuple(self._unacked)
+        self._unacked.clear()
+        self.dirty = False
+        return AckDecision(
+            AckAction.RAISE, code=ErrorCode.ACKNOWLEDGE_STALE, recover=bool(held), redeliver=held
+        )
+
+    def _acknowledge(self, tag: str) -> AckDecision:
+        if tag not in self._unacked:
             return AckDecision(AckAction.NOTHING)
         tags = tuple(self._unacked)
         self._unacked.clear()
@@ -102,11 +101,11 @@ class ClientAckRules(AckRules):
 class ClientIndividualAckRules(ClientAckRules):
     mode: ClassVar[AckMode] = AckMode.CLIENT_INDIVIDUAL
 
-    def _acknowledge(self, delivery: Delivery) -> AckDecision:
-        if delivery.tag not in self._unacked:
+    def _acknowledge(self, tag: str) -> AckDecision:
+        if tag not in self._unacked:
             return AckDecision(AckAction.NOTHING)
-        del self._unacked[delivery.tag]
-        return AckDecision(AckAction.SEND, (delivery.tag,))
+        del self._unacked[tag]
+        return AckDecision(AckAction.SEND, (tag,))
 
     def acknowledge_all(self) -> AckDecision:
         """Session.acknowledge() covers every message delivered, each acknowledged alone."""
