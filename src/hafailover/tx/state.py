@@ -156,17 +156,9 @@ class TransactionState:
             raise IllegalStateError("commit() is already running on this session")
         self._commit_fate = None  # a fate belongs to the commit it caught, never a later one
         if self.phase is TxPhase.ROLLBACK_ONLY:
-            on_broker = self._broker_has_tx
-            self._reset()
-            return CommitDecision(
-                CommitAction.ROLL_BACK_AND_RAISE,
-                ErrorCode.TRANSACTION_ROLLED_BACK,
-                rollback_on_broker=on_broker,
-                give_back=True,
-                reason=(
-                    "the transaction was rolled back: a failover made it rollback-only; "
-                    "replay its work and commit again"
-                ),
+            return self._rolled_back(
+                "the transaction was rolled back: a failover made it rollback-only; "
+                "replay its work and commit again"
             )
         self.phase = TxPhase.COMMITTING
         return CommitDecision(CommitAction.SEND_COMMIT)
@@ -224,6 +216,13 @@ class TransactionState:
     def transfer_refused(self, refusal: str) -> CommitDecision:
         """A send of the transaction was refused before the commit was written: the commit
         is abandoned and the transaction rolled back, on the broker too if it holds it."""
+        return self._rolled_back(
+            f"the broker refused a send of the transaction, which was rolled back: {refusal}"
+        )
+
+    def _rolled_back(self, reason: str) -> CommitDecision:
+        """The transaction ends rolled back before any commit was written: on the broker
+        too if it holds it, its deliveries given back; commit() raises ``reason``."""
         on_broker = self._broker_has_tx
         self._reset()
         self._commit_fate = None
@@ -232,9 +231,7 @@ class TransactionState:
             ErrorCode.TRANSACTION_ROLLED_BACK,
             rollback_on_broker=on_broker,
             give_back=True,
-            reason=(
-                f"the broker refused a send of the transaction, which was rolled back: {refusal}"
-            ),
+            reason=reason,
         )
 
     def begun_on_broker(self) -> None:
