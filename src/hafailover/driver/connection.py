@@ -510,7 +510,7 @@ class Connection(Calls, LinkEventHandlers):
         for session in self._sessions.values():
             outcome = plan.outcomes.get(session.session_id)
             if outcome is not None:
-                session._failed_over(outcome, link, plan)
+                session._failed_over(outcome, link, reattached=True)
         return callbacks
 
     def _recreate(self, plan: FailoverPlan) -> Callable[[], None]:
@@ -523,7 +523,7 @@ class Connection(Calls, LinkEventHandlers):
         for session in self._sessions.values():
             outcome = plan.outcomes.get(session.session_id)
             if outcome is not None:
-                session._failed_over(outcome, link)
+                session._failed_over(outcome, link, reattached=False)
             consumers.extend(c for c in session._consumers.values() if not c._closed)
             temporary.extend(session._temporary)
 

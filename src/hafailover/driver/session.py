@@ -46,7 +46,7 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message
-from hafailover.sessions import CallKind, FailoverPlan
+from hafailover.sessions import CallKind
 
 if TYPE_CHECKING:
     from hafailover.driver.connection import Connection
@@ -323,12 +323,9 @@ class Session(Transactions):
                 if link.windowed and consumer is not None:
                     consumer._given_back_on_session(tag)
 
-    def _failed_over(
-        self, outcome: FailoverOutcome, link: Link, plan: FailoverPlan | None = None
-    ) -> None:
-        """Under the lock: carry out what this session's rules decided at a failover
-        (``plan``: the reattach's; None for a reconnect)."""
-        if plan is not None and plan.reattached:
+    def _failed_over(self, outcome: FailoverOutcome, link: Link, *, reattached: bool) -> None:
+        """Under the lock: carry out what this session's rules decided at a failover."""
+        if reattached:
             # The server kept the session: its subscriptions and transaction live on.
             for consumer in self._consumers.values():
                 if consumer._on_link:
