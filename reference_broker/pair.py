@@ -5,6 +5,11 @@ serves and the backup is synchronized, and stops both when the ``with`` block en
 use it to kill (SIGKILL), pause (SIGSTOP), resume (SIGCONT) and restart nodes; it only ever
 signals the processes it started, by pid, and cleans every one of them up.
 
+Each node may run inside a network namespace of its own (``netns``: the command is wrapped in
+``ip netns exec``) and listen on an address of its own (``hosts``): the fault tests of
+tests/faults put the nodes on a private network whose links they can break. The witness and
+the lease stay on the shared file system (``pair_dir``) either way.
+
 ``pair_up`` is the ``hafailover pair up`` command: the same, printing the addresses and the
 two failover URLs, until Ctrl-C or SIGTERM.
 """
@@ -19,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -61,6 +67,8 @@ class NodeProcess:
     replication_port: int
     data_dir: Path
     log_path: Path
+    host: str = "127.0.0.1"  # where it listens, and what clients and its peer call it
+    netns: str | None = None  # the network namespace it runs in; None: this process's
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -114,6 +122,8 @@ class BrokerPair:
         log_level: str = "INFO",
         segment_size: int | None = None,
         checkpoint_segments: int | None = None,
+        netns: Mapping[str, str] | None = None,
+        hosts: Mapping[str, str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.user = user
@@ -140,10 +150,39 @@ class BrokerPair:
         # Journal segment bytes and the compaction threshold; None: the node's defaults.
         self.segment_size = segment_size
         self.checkpoint_segments = checkpoint_segments
-        p = list(ports) if ports is not None else free_ports(6, host)
+        # Per node: the network namespace it runs in ({"live": ..., "backup": ...}) and the
+        # address it listens on there (its peer and the clients use it too).
+        netns = dict(netns or {})
+        hosts = dict(hosts or {})
+        for what, given in (("netns", netns), ("hosts", hosts)):
+            unknown = sorted(set(given) - {"live", "backup"})
+            if unknown:
+                raise ValueError(f"{what}: unknown node(s) {unknown}; the nodes are live, backup")
+        if netns and set(netns) != set(hosts):
+            raise ValueError(
+                "netns needs hosts for the same nodes: an address of this process's namespace "
+                f"is not one of the node's (netns for {sorted(netns)}, hosts for {sorted(hosts)})"
+            )
+        if tls is not None and hosts:
+            raise ValueError("per-node hosts and tls together are not supported")
+        if ports is not None:
+            p = list(ports)
+        elif netns:
+            # Each node alone in its namespace: the usual ports are free there.
+            p = [61613, 5672, 61617, 61613, 5672, 61617]
+        else:
+            p = free_ports(6, host)
         self.nodes = (
             NodeProcess(
-                "live", "live", p[0], p[1], p[2], self.data_dir / "live", self.data_dir / "live.log"
+                "live",
+                "live",
+                p[0],
+                p[1],
+                p[2],
+                self.data_dir / "live",
+                self.data_dir / "live.log",
+                host=hosts.get("live", host),
+                netns=netns.get("live"),
             ),
             NodeProcess(
                 "backup",
@@ -153,8 +192,12 @@ class BrokerPair:
                 p[5],
                 self.data_dir / "backup",
                 self.data_dir / "backup.log",
+                host=hosts.get("backup", host),
+                netns=netns.get("backup"),
             ),
         )
+        if self.nodes[0].host == self.nodes[1].host and netns:
+            raise ValueError(f"hosts: both nodes on {self.nodes[0].host}")
         self.users_file = self.data_dir / "users"
         self.pair_dir = self.data_dir / "pair"
 
@@ -229,11 +272,11 @@ class BrokerPair:
             "--role", node.preferred_role,
             "--data-dir", str(node.data_dir),
             "--pair-dir", str(self.pair_dir),
-            "--host", self.host,
+            "--host", node.host,
             "--stomp-port", str(node.stomp_port),
             "--amqp-port", str(node.amqp_port),
             "--replication-port", str(node.replication_port),
-            "--peer-host", self.host,
+            "--peer-host", other.host,
             "--peer-replication-port", str(other.replication_port),
             "--peer-stomp-port", str(other.stomp_port),
             "--peer-amqp-port", str(other.amqp_port),
@@ -256,6 +299,8 @@ class BrokerPair:
             command += ["--segment-size", str(self.segment_size)]
         if self.checkpoint_segments is not None:
             command += ["--checkpoint-segments", str(self.checkpoint_segments)]
+        if node.netns is not None:
+            command = ["ip", "netns", "exec", node.netns, *command]
         log = open(node.log_path, "ab")  # noqa: SIM115 - the child owns it after Popen
         try:
             node.process = subprocess.Popen(
@@ -345,12 +390,15 @@ class BrokerPair:
 
     # --- addresses -------------------------------------------------------------------------
 
-    def _url(self, scheme: str, ports: list[int]) -> str:
+    def _client_host(self, node: NodeProcess) -> str:
+        return self.client_host if node.host == self.host else node.host
+
+    def _url(self, scheme: str, addresses: list[tuple[str, int]]) -> str:
         credentials = f"{quote(self.user, safe='')}:{quote(self.password, safe='')}@"
         tls = self.tls
         if tls is not None:
             scheme = {"stomp": "stomp+ssl", "amqp": "amqps"}[scheme]
-        brokers = ",".join(f"{scheme}://{credentials}{self.client_host}:{port}" for port in ports)
+        brokers = ",".join(f"{scheme}://{credentials}{host}:{port}" for host, port in addresses)
         url = f"failover:({brokers})"
         if tls is not None:
             url += f"?ssl_ca_file={quote(str(tls.ca), safe='/')}"
@@ -361,11 +409,11 @@ class BrokerPair:
 
     @property
     def stomp_url(self) -> str:
-        return self._url("stomp", [n.stomp_port for n in self.nodes])
+        return self._url("stomp", [(self._client_host(n), n.stomp_port) for n in self.nodes])
 
     @property
     def amqp_url(self) -> str:
-        return self._url("amqp", [n.amqp_port for n in self.nodes])
+        return self._url("amqp", [(self._client_host(n), n.amqp_port) for n in self.nodes])
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -374,8 +422,8 @@ class BrokerPair:
                     "name": n.name,
                     "role": n.role,
                     "pid": n.process.pid if n.process else None,
-                    "stomp": f"{self.client_host}:{n.stomp_port}",
-                    "amqp": f"{self.client_host}:{n.amqp_port}",
+                    "stomp": f"{self._client_host(n)}:{n.stomp_port}",
+                    "amqp": f"{self._client_host(n)}:{n.amqp_port}",
                 }
                 for n in self.nodes
             ],
