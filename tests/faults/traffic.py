@@ -1,0 +1,213 @@
+"""Traffic for the fault scenarios, and the total-queue check of what it left behind.
+
+A confirmed producer (each persistent send waits for its confirmation; a send whose outcome
+is unknown is sent again as the same Message, so its duplicate id makes the retry harmless)
+and a CLIENT-acknowledge consumer run on their own threads while a test breaks the pair.
+They record every send attempted and confirmed, every message acknowledged, and the longest
+time one application call took (the stall the application saw). ``check`` drains the queue
+afterwards and counts, as tests/integration/test_loss_checker.py does:
+
+- lost = confirmed and never received (acknowledged, in doubt, or drained);
+- unexpected = received and never attempted;
+- duplicates = seqs received (acknowledged or drained) more than once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+
+import attrs
+
+import hafailover
+from hafailover import (
+    AckMode,
+    AcknowledgeFailedError,
+    HaFailoverError,
+    Message,
+    StaleAcknowledgeError,
+    UnblockedError,
+)
+from tests.integration.support import drain, seqs
+
+ACK_BATCH = 10
+
+
+class ConfirmedProducer(threading.Thread):
+    """Persistent sends, one confirmed at a time, each retried as the same Message until the
+    broker confirms it; ``refusals`` keeps what the broker refused (the text of each error)."""
+
+    def __init__(self, url: str, queue: str, *, pace: float = 0.0, body: bytes = b"") -> None:
+        super().__init__(name="confirmed-producer", daemon=True)
+        self.url = url
+        self.queue = queue
+        self.pace = pace
+        self.body = body
+        self.stop = threading.Event()
+        self.attempted: set[int] = set()
+        self.confirmed: list[int] = []
+        self.confirmed_at: list[float] = []
+        self.refusals: list[tuple[float, HaFailoverError]] = []
+        self.longest_stall = 0.0
+        self.failovers = 0
+        self.error: str | None = None
+        self.connection: hafailover.Connection | None = None
+
+    def run(self) -> None:
+        try:
+            with hafailover.connect(self.url) as connection:
+                self.connection = connection
+                producer = connection.create_session().create_producer(self.queue)
+                seq = 0
+                while not self.stop.is_set():
+                    message = Message(body=self.body or f"m{seq}", properties={"seq": seq})
+                    self.attempted.add(seq)
+                    while True:
+                        started = time.monotonic()
+                        try:
+                            producer.send(message)
+                        except HaFailoverError as exc:
+                            self._stalled(started)
+                            self.refusals.append((time.monotonic(), exc))
+                            if self.stop.is_set():
+                                break  # in doubt: attempted, never counted as confirmed
+                            time.sleep(0.05)
+                            continue
+                        self._stalled(started)
+                        self.confirmed.append(seq)
+                        self.confirmed_at.append(time.monotonic())
+                        break
+                    seq += 1
+                    if self.pace:
+                        time.sleep(self.pace)
+                self.failovers = connection.statistics().failovers
+        except BaseException:  # noqa: BLE001 - reported by the test
+            self.error = traceback.format_exc()
+
+    def _stalled(self, started: float) -> None:
+        self.longest_stall = max(self.longest_stall, time.monotonic() - started)
+
+
+class AckingConsumer(threading.Thread):
+    """CLIENT acknowledge every ACK_BATCH messages (as the loss checker's consumer): a stale
+    acknowledge means the batch comes again; one caught by a failover is in doubt."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        super().__init__(name="acking-consumer", daemon=True)
+        self.url = url
+        self.queue = queue
+        self.stop = threading.Event()
+        self.handed: list[int] = []
+        self.acknowledged: list[int] = []
+        self.in_doubt: list[int] = []
+        self.stale = 0
+        self.longest_stall = 0.0
+        self.failovers = 0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            with hafailover.connect(self.url) as connection:
+                session = connection.create_session(AckMode.CLIENT)
+                consumer = session.create_consumer(self.queue)
+                connection.start()
+                pending: list[int] = []
+                while not self.stop.is_set():
+                    started = time.monotonic()
+                    message = consumer.receive(0.2)
+                    # receive waits up to 0.2 s by design: only what is beyond it is a stall.
+                    self._stalled(started, 0.2)
+                    if message is not None:
+                        seq = int(str(message.properties["seq"]))
+                        self.handed.append(seq)
+                        pending.append(seq)
+                    if len(pending) >= ACK_BATCH or (message is None and pending):
+                        self._acknowledge(session, pending)
+                        pending = []
+                if pending:
+                    self._acknowledge(session, pending)
+                self.failovers = connection.statistics().failovers
+        except BaseException:  # noqa: BLE001 - reported by the test
+            self.error = traceback.format_exc()
+
+    def _acknowledge(self, session: hafailover.Session, pending: list[int]) -> None:
+        started = time.monotonic()
+        try:
+            session.acknowledge()
+        except StaleAcknowledgeError:
+            self.stale += 1
+            return
+        except (UnblockedError, AcknowledgeFailedError):
+            self.in_doubt.extend(pending)
+            return
+        finally:
+            self._stalled(started)
+        self.acknowledged.extend(pending)
+
+    def _stalled(self, started: float, expected: float = 0.0) -> None:
+        self.longest_stall = max(self.longest_stall, time.monotonic() - started - expected)
+
+
+@attrs.frozen
+class Outcome:
+    """What the total-queue check found."""
+
+    attempted: int
+    confirmed: int
+    received: int
+    lost: list[int]
+    unexpected: list[int]
+    duplicates: dict[int, int]
+    longest_stall: float
+    failovers: int
+
+    def line(self, scenario: str, protocol: str) -> str:
+        return (
+            f"{scenario} [{protocol}]: attempted={self.attempted} confirmed={self.confirmed} "
+            f"received={self.received} lost={len(self.lost)} unexpected={len(self.unexpected)} "
+            f"duplicates={len(self.duplicates)} longest stall={self.longest_stall:.2f}s "
+            f"failovers={self.failovers}"
+        )
+
+    def assert_clean(self) -> None:
+        assert self.lost == [], f"lost: {self.lost[:50]}"
+        assert self.unexpected == [], f"unexpected: {self.unexpected[:50]}"
+        assert self.duplicates == {}, f"duplicates (seq: times): {self.duplicates}"
+
+
+def stop_all(*threads: ConfirmedProducer | AckingConsumer, timeout: float = 30.0) -> None:
+    for thread in threads:
+        thread.stop.set()
+    for thread in threads:
+        thread.join(timeout)
+    for thread in threads:
+        assert not thread.is_alive(), f"{thread.name} did not stop"
+        assert thread.error is None, thread.error
+
+
+def check(
+    url: str,
+    queue: str,
+    producer: ConfirmedProducer,
+    consumer: AckingConsumer | None = None,
+) -> Outcome:
+    """Drain the queue and count lost, unexpected and duplicate messages (threads stopped)."""
+    drained = seqs(drain(url, queue, idle=1.0))
+    acknowledged = consumer.acknowledged if consumer is not None else []
+    in_doubt = consumer.in_doubt if consumer is not None else []
+    handed = consumer.handed if consumer is not None else []
+    received = acknowledged + drained
+    counts = collections.Counter(received)
+    stalls = [producer.longest_stall] + ([consumer.longest_stall] if consumer else [])
+    return Outcome(
+        attempted=len(producer.attempted),
+        confirmed=len(producer.confirmed),
+        received=len(received),
+        lost=sorted(set(producer.confirmed) - set(received) - set(in_doubt)),
+        unexpected=sorted(set(received + handed) - producer.attempted),
+        duplicates={seq: n for seq, n in counts.items() if n > 1},
+        longest_stall=max(stalls),
+        failovers=producer.failovers + (consumer.failovers if consumer else 0),
+    )
