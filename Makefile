@@ -46,7 +46,7 @@ test-deep: $(STAMPS)/venv
 	HAFAILOVER_HYPOTHESIS_PROFILE=deep $(PY) -m pytest -q tests/core tests/driver tests/aio $(PYTEST_ARGS)
 
 # mutmut reads [tool.mutmut] in pyproject.toml and keeps its work in mutants/, so a second
-# run only retests what changed. MUTANTS narrows it, e.g. MUTANTS='hafailover.window.*'.
+# run only retests what changed. MUTANTS narrows it, e.g. MUTANTS='hafailover.core.window.*'.
 # Prints each module's killed / total, then every mutant not killed.
 mutate: $(STAMPS)/venv
 	nice $(VENV)/bin/mutmut run $(MUTANTS)

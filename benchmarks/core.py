@@ -19,9 +19,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from hafailover.failover import Connected, FailoverMachine, Lost, Restored
+from hafailover.core.failover import Connected, FailoverMachine, Lost, Restored
+from hafailover.core.window import ConfirmationWindow
 from hafailover.url import BrokerAddress
-from hafailover.window import ConfirmationWindow
 
 MESSAGE = 1024
 WINDOW = 1024 * 1024

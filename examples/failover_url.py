@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from hafailover import InvalidURLError, parse_url
-from hafailover.schedule import ReconnectSchedule
+from hafailover.core.schedule import ReconnectSchedule
 
 
 def main(argv: list[str]) -> int:

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from hafailover.stomp_frame import (
+from hafailover.protocols.stomp.frame import (
     VERSIONS,
     Frame,
     FrameParser,

@@ -6,6 +6,7 @@ The public surface is what ``__all__`` names; every module behind it may change.
 from typing import TYPE_CHECKING, Any
 
 from hafailover.ack_modes import AckMode, LinkReliability
+from hafailover.core.report import FailoverReport, SessionFailover
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     AcknowledgeFailedError,
@@ -31,7 +32,6 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message
-from hafailover.report import FailoverReport, SessionFailover
 from hafailover.url import BrokerAddress, FailoverMethod, FailoverPolicy, Protocol, parse_url
 
 if TYPE_CHECKING:
@@ -120,6 +120,6 @@ __all__ = [
 ]
 
 # The driver (threads, sockets, stomp.py and proton) loads on first use of one of its
-# names, so that the pure core (hafailover.failover, .sessions, .window, .ack_modes,
+# names, so that the pure core (hafailover.core, .ack_modes,
 # .tx, ...) imports without either client library: the public names not bound above.
 _DRIVER_NAMES = frozenset(name for name in __all__ if name not in globals())

@@ -36,8 +36,8 @@ from typing import Any, Final, ParamSpec, TypeVar
 
 import attrs
 
-from hafailover._links import LinkFactory, make_link
 from hafailover.ack_modes import AckMode, LinkReliability
+from hafailover.core.report import FailoverReport
 from hafailover.destination import Destination
 from hafailover.driver import (
     Browser,
@@ -57,7 +57,8 @@ from hafailover.driver.producer import sent_id
 from hafailover.driver.transactions import TransactionAttempt, TransactionBlock
 from hafailover.errors import ConnectionClosedError, HaFailoverError
 from hafailover.message import Message, PropertyValue
-from hafailover.report import FailoverReport
+from hafailover.protocols.base import LinkFactory
+from hafailover.protocols.factory import make_link
 from hafailover.url import FailoverPolicy
 
 __all__ = [

@@ -13,13 +13,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from hafailover.core.failover import Connected, FailoverMachine, Lost
+from hafailover.core.report import FailoverReport, SessionFailover
+from hafailover.core.schedule import ReconnectSchedule
+from hafailover.core.window import ConfirmationWindow
 from hafailover.errors import ErrorCode
-from hafailover.failover import Connected, FailoverMachine, Lost
-from hafailover.report import FailoverReport, SessionFailover
-from hafailover.schedule import ReconnectSchedule
 from hafailover.tx import TransactionState
 from hafailover.url import BrokerAddress, parse_url
-from hafailover.window import ConfirmationWindow
 
 DEMO_URL = (
     "failover:(stomp://app:secret@127.0.0.1:61613,stomp://app:secret@127.0.0.1:61614)"

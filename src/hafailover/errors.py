@@ -135,7 +135,7 @@ class FailoverNotice(RemoteError, ConnectionError):  # noqa: N818 - told to list
 
     ``reattached`` tells whether the sessions were reattached on the same server
     (fully transparent) or recreated by a reconnect; ``report`` holds what the
-    failover did (a :class:`hafailover.report.FailoverReport`).
+    failover did (a :class:`hafailover.core.report.FailoverReport`).
     """
 
     code = ErrorCode.FAILOVER

@@ -46,13 +46,13 @@ from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, Statu
 from opentelemetry.util.types import AttributeValue
 
 from hafailover import __version__
+from hafailover.core.report import FailoverReport
 from hafailover.destination import Destination, DestinationKind
 from hafailover.driver import tracing
 from hafailover.driver.consumer import Consumer
 from hafailover.driver.tracing import Peer
 from hafailover.errors import ConfigurationError, DisconnectedError, ErrorCode, HaFailoverError
 from hafailover.message import Message, PropertyValue
-from hafailover.report import FailoverReport
 from hafailover.url import Protocol
 
 __all__ = [

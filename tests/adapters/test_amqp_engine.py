@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proton import Collector, Condition, Connection, Delivery, Event, Receiver, Transport
 
-from hafailover.adapters.amqp import AmqpEngine, Pending
 from hafailover.destination import Destination
 from hafailover.errors import (
     CallTimeoutError,
@@ -21,6 +20,7 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message
+from hafailover.protocols.amqp.engine import AmqpEngine, Pending
 from hafailover.url import BrokerAddress
 
 BROKER = BrokerAddress("amqp", "127.0.0.1", 5672)

@@ -25,13 +25,6 @@ from hypothesis import strategies as st
 from proton import Terminus
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from hafailover.adapters.amqp import (
-    Outcome,
-    decode_message,
-    encode_message,
-)
-from hafailover.adapters.amqp_io import AmqpTransport
-from hafailover.adapters.base import TlsOptions
 from hafailover.destination import Destination, DestinationKind
 from hafailover.errors import (
     ConfigurationError,
@@ -43,6 +36,10 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message, PropertyValue
+from hafailover.protocols.amqp.codec import decode_message, encode_message
+from hafailover.protocols.amqp.engine import Outcome
+from hafailover.protocols.amqp.transport import AmqpTransport
+from hafailover.protocols.base import TlsOptions
 from hafailover.url import BrokerAddress
 from reference_broker.pair import BrokerPair, NodeProcess
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hafailover.adapters.stomp import StompTransport, send_headers
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message
+from hafailover.protocols.stomp.transport import StompTransport, send_headers
 from hafailover.url import BrokerAddress
 from reference_broker.pair import BrokerPair, NodeProcess
 
@@ -178,7 +178,7 @@ def test_losing_the_broker_is_reported_once(tmp_path: Path) -> None:
 
 
 def test_frames_escape_headers_and_always_carry_a_content_length() -> None:
-    from hafailover.adapters.stomp import encode_frame
+    from hafailover.protocols.stomp.transport import encode_frame
 
     frame = encode_frame("SEND", {"destination": "/queue/a", "odd:key": "line\nbreak\\"}, b"a\x00b")
     assert frame == (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
-from hafailover.stomp_frame import Frame, FrameParser, Heartbeat, Side, encode
+from hafailover.protocols.stomp.frame import Frame, FrameParser, Heartbeat, Side, encode
 
 
 class WireClient:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hafailover.ack_modes import AckMode
-from hafailover.dedup import DuplicateWindow, Remembered, remembered_at
+from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at
 from hafailover.errors import ConfigurationError
 
 IDS = st.lists(st.one_of(st.none(), st.sampled_from([f"id-{n}" for n in range(12)])), max_size=60)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hafailover.dedup import DuplicateWindow
+from hafailover.core.dedup import DuplicateWindow
 
 
 def test_a_forgotten_id_is_no_longer_a_duplicate_and_the_others_stay() -> None:

@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hafailover.errors import ErrorCode
-from hafailover.failover import (
+from hafailover.core.failover import (
     Admission,
     CancelReconnect,
     CloseRequested,
@@ -31,7 +30,8 @@ from hafailover.failover import (
     UnblockPendingCalls,
     WakeBlockedCalls,
 )
-from hafailover.sessions import FailoverPlan
+from hafailover.core.inflight import FailoverPlan
+from hafailover.errors import ErrorCode
 from hafailover.url import BrokerAddress
 
 S = FailoverState

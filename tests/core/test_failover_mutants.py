@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hafailover.errors import ErrorCode
-from hafailover.failover import (
+from hafailover.core.failover import (
     CloseRequested,
     Connected,
     FailoverMachine,
@@ -15,6 +14,7 @@ from hafailover.failover import (
     Lost,
     Restored,
 )
+from hafailover.errors import ErrorCode
 from hafailover.url import BrokerAddress
 
 LIVE = BrokerAddress("stomp", "live", 61613)

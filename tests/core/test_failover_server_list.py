@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from proton import symbol
 
-from hafailover.adapters.base import parse_failover_server_list
+from hafailover.protocols.base import parse_failover_server_list
 
 
 def test_entries_with_symbol_or_string_keys_give_host_and_port() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hafailover.core.report import FailoverReport, SessionFailover
 from hafailover.errors import ErrorCode
-from hafailover.report import FailoverReport, SessionFailover
 
 
 def test_report_totals_and_summary() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hafailover.core.report import FailoverReport
 from hafailover.errors import ErrorCode
-from hafailover.report import FailoverReport
 
 
 def test_the_summary_of_a_reattach_reads_as_one_line() -> None:

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hafailover.core.schedule import AttemptsExhausted, ReconnectCancelled, ReconnectSchedule
 from hafailover.errors import (
     ConfigurationError,
     ConnectionClosedError,
     IllegalStateError,
     SecurityError,
 )
-from hafailover.schedule import AttemptsExhausted, ReconnectCancelled, ReconnectSchedule
 from hafailover.url import BrokerAddress, FailoverPolicy, parse_url
 from tests.strategies import policies
 

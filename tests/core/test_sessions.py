@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hafailover.ack_modes import AckMode, ClientAckRules, TransactedAckRules
+from hafailover.core.inflight import RECEIPT_EVERY, CallKind, FailoverPlan, SessionsCore
 from hafailover.errors import CallTimeoutError, ProtocolError, UnblockedError
-from hafailover.sessions import RECEIPT_EVERY, CallKind, FailoverPlan, SessionsCore
 from hafailover.tx.state import TxPhase
 
 LINK = 1

@@ -14,7 +14,7 @@ from stomp import utils as stomp_utils
 from stomp.protocol import Protocol12
 from stomp.transport import BaseTransport
 
-from hafailover.stomp_frame import (
+from hafailover.protocols.stomp.frame import (
     ALL_COMMANDS,
     CLIENT_COMMANDS,
     HEARTBEAT,

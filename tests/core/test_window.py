@@ -7,13 +7,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hafailover.message import stamps_duplicate_id
-from hafailover.window import (
+from hafailover.core.window import (
     ConfirmationWindow,
     ReattachImpossibleError,
     WindowFullError,
     command_flags,
 )
+from hafailover.message import stamps_duplicate_id
 
 
 def test_record_confirm_and_replay() -> None:

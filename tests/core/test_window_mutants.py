@@ -5,7 +5,7 @@ Each test names the behaviour it pins; the mutant it kills is noted in docs/test
 
 from __future__ import annotations
 
-from hafailover.window import ConfirmationWindow
+from hafailover.core.window import ConfirmationWindow
 
 
 def test_nothing_is_confirmed_before_the_first_confirmation() -> None:

@@ -23,13 +23,12 @@ from typing import Any
 
 import attrs
 
-from hafailover._links import LinkEvents
-from hafailover.adapters.base import Opened
+from hafailover.core.window import ConfirmationWindow, command_flags
 from hafailover.destination import Destination
 from hafailover.errors import IllegalStateError, NotConnectedError
 from hafailover.message import Message, stamps_duplicate_id
+from hafailover.protocols.base import LinkEvents, Opened
 from hafailover.url import BrokerAddress, FailoverPolicy
-from hafailover.window import ConfirmationWindow, command_flags
 
 _SERIALS = itertools.count(1000)
 

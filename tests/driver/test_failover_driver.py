@@ -23,7 +23,7 @@ from hafailover import (
     HaFailoverError,
     UnblockedError,
 )
-from hafailover.failover import (
+from hafailover.core.failover import (
     Connected,
     Effect,
     Event,

@@ -17,10 +17,9 @@ import pytest
 
 import hafailover
 from hafailover import FailoverNotice
-from hafailover._links import LinkEvents
-from hafailover.adapters.base import Opened
+from hafailover.core.window import ConfirmationWindow
+from hafailover.protocols.base import LinkEvents, Opened
 from hafailover.url import BrokerAddress, FailoverPolicy
-from hafailover.window import ConfirmationWindow
 
 from .fake import FakeBroker, FakeLink
 from .test_failover_driver import Heard, failed_over, url, wait_until

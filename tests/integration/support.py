@@ -146,9 +146,10 @@ def proxy(target_port: int) -> Iterator[TcpProxy]:
 def delay_loss_notices(monkeypatch: object, delay: float) -> None:
     """Make the transports report a lost connection (reader, heart-beat) only ``delay``
     seconds late, so that a write on an application's thread notices the loss first."""
-    from hafailover import _links as links
+    from hafailover.protocols.amqp import link as amqp_link
+    from hafailover.protocols.stomp import link as stomp_link
 
-    for events in (links._StompEvents, links._AmqpEvents):
+    for events in (stomp_link._StompEvents, amqp_link._AmqpEvents):
         original = events.on_lost
 
         def late(self: object, reason: str, original: object = original) -> None:

@@ -307,7 +307,7 @@ def test_f5_a_recreation_the_broker_is_slow_to_answer_is_retried_not_given_up(
     """F5: the backup does not answer a recreated consumer's attach within call_timeout
     (simulated: the first such wait on the reconnect thread times out). That attempt fails
     and the next one recreates the consumer; it is never closed behind the app's back."""
-    from hafailover.adapters import amqp_io as amqp_adapter
+    from hafailover.protocols.amqp import transport as amqp_adapter
 
     real_subscribe = amqp_adapter.AmqpTransport.subscribe
     slowed: list[str] = []

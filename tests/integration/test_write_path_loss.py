@@ -20,7 +20,8 @@ import pytest
 
 import hafailover
 from hafailover import FailureDetected, HaFailoverError
-from hafailover import _links as links
+from hafailover.protocols.amqp import link as amqp_link
+from hafailover.protocols.stomp import link as stomp_link
 from reference_broker import BrokerPair
 
 from .support import drain, seqs, url_for, wait_until
@@ -34,7 +35,7 @@ READER_DELAY = 4.0
 @pytest.fixture
 def slow_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """The transports report a lost connection only READER_DELAY seconds late."""
-    for events in (links._StompEvents, links._AmqpEvents):
+    for events in (stomp_link._StompEvents, amqp_link._AmqpEvents):
         original = events.on_lost
 
         def late(self: Any, reason: str, original: Any = original) -> None:

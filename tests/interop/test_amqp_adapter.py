@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from hafailover.adapters.amqp import Outcome
-from hafailover.adapters.amqp_io import AmqpTransport
 from hafailover.destination import Destination
 from hafailover.errors import ProtocolError, SecurityError
 from hafailover.message import Message
+from hafailover.protocols.amqp.engine import Outcome
+from hafailover.protocols.amqp.transport import AmqpTransport
 from hafailover.url import BrokerAddress
 from tests.adapters.test_amqp_transport import Recorder, reactor_threads
 from tests.interop.conftest import RabbitMQ, RabbitMQControl, declare_nondurable_queue

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hafailover.adapters.stomp import StompTransport
+from hafailover.protocols.stomp.transport import StompTransport
 from hafailover.url import BrokerAddress
 from tests.adapters.test_stomp_transport import Recorder
 from tests.interop.conftest import RabbitMQ

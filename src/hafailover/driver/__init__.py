@@ -5,7 +5,7 @@
 ``producer``, ``consumer``, ``browser`` and ``transactions`` are the API's thin classes;
 ``completions`` and ``notifier`` are how calls wait and how listeners are told. The
 socket, reader thread and lock under the sans-I/O AMQP engine are protocol code:
-``hafailover.adapters.amqp_io``.
+``hafailover.protocols.amqp.transport``.
 """
 
 from hafailover.driver.browser import Browser

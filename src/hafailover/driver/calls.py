@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Final, Protocol
 
-from hafailover._links import Link
+from hafailover.core.failover import Admission, FailoverMachine
+from hafailover.core.inflight import CallKind, SessionsCore
 from hafailover.destination import Destination
 from hafailover.driver.completions import Callback, SendCompletion, Waiting
 from hafailover.errors import (
@@ -30,8 +31,7 @@ from hafailover.errors import (
     TransactionRolledBackError,
     UnblockedError,
 )
-from hafailover.failover import Admission, FailoverMachine
-from hafailover.sessions import CallKind, SessionsCore
+from hafailover.protocols.base import Link
 from hafailover.url import FailoverPolicy
 
 if TYPE_CHECKING:

@@ -3,9 +3,9 @@
 Theory of operation
 -------------------
 A ``Connection`` is one logical connection that outlives any number of broker connections
-("links", ``_links.py``). Two pure parts decide everything: the ``FailoverMachine``
-(``failover.py``: connected, failing over, restoring, failed, closed) and the
-``SessionsCore`` (``sessions.py``: every call waiting for the broker, the confirmation
+("links", ``protocols/base.py``). Two pure parts decide everything: the ``FailoverMachine``
+(``core/failover.py``: connected, failing over, restoring, failed, closed) and the
+``SessionsCore`` (``core/inflight.py``: every call waiting for the broker, the confirmation
 window, each session's acknowledge and transaction rules). This module carries out what
 they decide, and is the only place with locks, threads and clocks.
 
@@ -43,9 +43,36 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from hafailover._links import Link, LinkFactory, make_link
 from hafailover.ack_modes import AckMode
-from hafailover.adapters.base import Opened
+from hafailover.core.failover import (
+    CancelReconnect,
+    CloseRequested,
+    CloseTransport,
+    Connected,
+    Effect,
+    Exhausted,
+    FailoverMachine,
+    FailoverState,
+    FailPendingCalls,
+    InvalidateBrowsers,
+    LearnTopology,
+    NotifyListener,
+    ReattachSessions,
+    RecreateSessions,
+    Restored,
+    StartReconnect,
+    TopologyAnnounced,
+    UnblockPendingCalls,
+    WakeBlockedCalls,
+)
+from hafailover.core.inflight import FailoverPlan, SessionsCore
+from hafailover.core.report import FailoverReport, SessionFailover
+from hafailover.core.schedule import (
+    Attempt,
+    AttemptsExhausted,
+    ReconnectCancelled,
+    ReconnectSchedule,
+)
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import Calls, WatchedCondition, error_for
@@ -68,31 +95,9 @@ from hafailover.errors import (
     NotConnectedError,
     UnblockedError,
 )
-from hafailover.failover import (
-    CancelReconnect,
-    CloseRequested,
-    CloseTransport,
-    Connected,
-    Effect,
-    Exhausted,
-    FailoverMachine,
-    FailoverState,
-    FailPendingCalls,
-    InvalidateBrowsers,
-    LearnTopology,
-    NotifyListener,
-    ReattachSessions,
-    RecreateSessions,
-    Restored,
-    StartReconnect,
-    TopologyAnnounced,
-    UnblockPendingCalls,
-    WakeBlockedCalls,
-)
 from hafailover.message import Message
-from hafailover.report import FailoverReport, SessionFailover
-from hafailover.schedule import Attempt, AttemptsExhausted, ReconnectCancelled, ReconnectSchedule
-from hafailover.sessions import FailoverPlan, SessionsCore
+from hafailover.protocols.base import Link, LinkFactory, Opened
+from hafailover.protocols.factory import make_link
 from hafailover.url import FailoverPolicy, parse_url
 
 if TYPE_CHECKING:

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
-from hafailover._links import Link
 from hafailover.ack_modes import AckAction
-from hafailover.dedup import DuplicateWindow, Remembered, remembered_at
+from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at
+from hafailover.core.failover import Admission
+from hafailover.core.inflight import CallKind
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
@@ -30,9 +31,8 @@ from hafailover.errors import (
     NotConnectedError,
     UnblockedError,
 )
-from hafailover.failover import Admission
 from hafailover.message import Message
-from hafailover.sessions import CallKind
+from hafailover.protocols.base import Link
 
 if TYPE_CHECKING:
     from hafailover.driver.session import Session

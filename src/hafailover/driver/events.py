@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import attrs
 
-from hafailover.report import FailoverReport
+from hafailover.core.report import FailoverReport
 
 __all__ = [
     "ConnectionEvent",

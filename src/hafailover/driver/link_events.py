@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hafailover._links import Link
+from hafailover.core.failover import Effect, FailoverMachine, Lost
+from hafailover.core.inflight import SessionsCore
 from hafailover.driver.calls import WatchedCondition
 from hafailover.driver.completions import Callback, Waiting
 from hafailover.driver.events import ConnectionEvent, FailureDetected
 from hafailover.errors import HaFailoverError, ProtocolError
-from hafailover.failover import Effect, FailoverMachine, Lost
 from hafailover.message import Message
-from hafailover.sessions import SessionsCore
+from hafailover.protocols.base import Link
 
 if TYPE_CHECKING:
     from hafailover.driver.browser import Browser

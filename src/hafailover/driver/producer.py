@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
+from hafailover.core.inflight import CallKind
 from hafailover.destination import Destination, parse_destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock
@@ -27,7 +28,6 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message, PropertyValue, new_message_id, stamps_duplicate_id
-from hafailover.sessions import CallKind
 
 if TYPE_CHECKING:
     from hafailover.driver.session import Session

@@ -1,7 +1,7 @@
 """A session of the threaded driver: acknowledges, transactions and listener dispatch.
 
 A session is a single-threaded context (as in JMS). Its acknowledge-mode rules and
-transaction state live in the sessions core (``sessions.py``), which decides what a
+transaction state live in the sessions core (``core/inflight.py``), which decides what a
 failover does to them; this module carries out those decisions on the link and keeps the
 session's buffers. Everything here runs under the connection's lock except calls that
 wait for the broker.
@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hafailover._links import Link
 from hafailover.ack_modes import (
     AckAction,
     AckDecision,
@@ -28,6 +27,7 @@ from hafailover.ack_modes import (
     LinkReliability,
     check_link_reliability,
 )
+from hafailover.core.inflight import CallKind
 from hafailover.destination import Destination, parse_destination
 from hafailover.driver import tracing
 from hafailover.driver.browser import Browser
@@ -46,7 +46,7 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message
-from hafailover.sessions import CallKind
+from hafailover.protocols.base import Link
 
 if TYPE_CHECKING:
     from hafailover.driver.connection import Connection

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import attrs
 
+from hafailover.core.report import FailoverReport
 from hafailover.destination import Destination
 from hafailover.message import Message
-from hafailover.report import FailoverReport
 from hafailover.url import Protocol as WireProtocol
 
 if TYPE_CHECKING:

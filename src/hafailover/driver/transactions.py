@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NoReturn, ParamSpec, TypeVar
 
 from hafailover.ack_modes import AckMode, AckRules
+from hafailover.core.inflight import CallKind
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.consumer import Consumer
 from hafailover.errors import (
@@ -28,7 +29,6 @@ from hafailover.errors import (
     TransactionRolledBackError,
     UnblockedError,
 )
-from hafailover.sessions import CallKind
 from hafailover.tx.state import CommitAction, TransactionState, TxPhase
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ connection with one session to a single broker (SASL PLAIN, TLS for ``amqps``), 
 topology the broker announces (docs/protocol-topology.md), keeps a sender link per address,
 a receiver link per subscription and the transaction coordinator link, turns what proton
 reports into events for the driver, and maps proton's exceptions and error conditions to
-ours in one place (the "errors" section below). It never retries, reconnects or fails over
+ours in one place (``errors``). It never retries, reconnects or fails over
 (the driver decides what a loss means), never waits for a settlement it was not asked to wait
 for, and never hands a proton object to its caller.
 
@@ -23,7 +23,7 @@ Sans I/O
 --------
 ``AmqpEngine`` is driven the way the reference broker drives its side
 (reference_broker/amqp/server.py): proton's ``Transport`` and ``Collector`` with no reactor,
-no thread, no socket and no clock. The caller (hafailover.adapters.amqp_io) owns the socket,
+no thread, no socket and no clock. The caller (hafailover.protocols.amqp.transport) owns the socket,
 the reader thread and the lock that serializes every call: it pushes what it reads
 (``received``), passes the time (``tick``), writes what ``output`` gives, and calls the
 events ``take_events`` returns once it has let go of its lock, so an event callback may make
@@ -44,11 +44,10 @@ import enum
 import itertools
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import attrs
-import cproton
 import proton
 from proton import (
     Condition,
@@ -67,16 +66,8 @@ from proton import (
     ulong,
 )
 
-from hafailover.adapters.base import (
-    Opened,
-    TlsOptions,
-    detects_duplicates,
-    parse_failover_server_list,
-    parse_topology,
-)
-from hafailover.destination import Destination, DestinationKind, parse_destination
+from hafailover.destination import Destination, DestinationKind
 from hafailover.errors import (
-    CallTimeoutError,
     ConfigurationError,
     ConnectionClosedError,
     HaFailoverError,
@@ -84,11 +75,39 @@ from hafailover.errors import (
     NotConnectedError,
     ProtocolError,
     RemoteError,
-    SecurityError,
     TransactionOutcomeUnknownError,
     UnblockedError,
 )
-from hafailover.message import Message, PropertyValue, stamps_duplicate_id
+from hafailover.message import Message
+from hafailover.protocols.amqp.codec import (
+    ACCEPTED,
+    DECLARE,
+    DECLARED,
+    DISCHARGE,
+    LOCAL_TRANSACTIONS,
+    MODIFIED,
+    OUTCOME_NAMES,
+    REJECTED,
+    RELEASED,
+    TRANSACTIONAL_STATE,
+    decode_message,
+)
+from hafailover.protocols.amqp.errors import (
+    condition_error,
+    condition_text,
+    map_errors,
+    outcome_error,
+    refusal,
+    refuses_request,
+    translate,
+)
+from hafailover.protocols.base import (
+    Opened,
+    TlsOptions,
+    detects_duplicates,
+    parse_failover_server_list,
+    parse_topology,
+)
 from hafailover.url import BrokerAddress
 
 __all__ = [
@@ -97,38 +116,14 @@ __all__ = [
     "AmqpTransaction",
     "Outcome",
     "Pending",
-    "encode_message",
-    "map_errors",
 ]
 
 log = logging.getLogger(__name__)
 
-DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
 TOPOLOGY_PROPERTY: Final = symbol("hafailover-topology")
 FAILOVER_SERVER_LIST: Final = symbol("failover-server-list")
 _PRODUCT: Final = symbol("product")
 
-# Transaction performatives and delivery states (AMQP 1.0 part 4.5).
-_DECLARE: Final = symbol("amqp:declare:list")
-_DISCHARGE: Final = symbol("amqp:discharge:list")
-_LOCAL_TRANSACTIONS: Final = symbol("amqp:local-transactions")
-_DECLARED: Final = 0x33
-_TRANSACTIONAL_STATE: Final = 0x34
-_ACCEPTED: Final = 0x24
-_REJECTED: Final = 0x25
-_RELEASED: Final = 0x26
-_MODIFIED: Final = 0x27
-_OUTCOME_NAMES: Final = {
-    _ACCEPTED: "accepted",
-    _REJECTED: "rejected",
-    _RELEASED: "released",
-    _MODIFIED: "modified",
-    "amqp:accepted:list": "accepted",
-    "amqp:rejected:list": "rejected",
-    "amqp:released:list": "released",
-    "amqp:modified:list": "modified",
-}
-_UNAUTHORIZED: Final = "amqp:unauthorized-access"
 _TEMP_QUEUE_PREFIX: Final = "temp-queue://"
 
 # Delivery tokens are unique in the process, so a stale one never settles another delivery.
@@ -167,77 +162,8 @@ class AmqpEvents(Protocol):
     def on_browse_end(self, subscription: str) -> None: ...
 
 
-# --- errors: proton's exceptions and conditions become ours, here and nowhere else -----------
-
-
-# What encoding a message can raise: a value AMQP cannot carry (a huge int, a lone surrogate).
-_ENCODING_ERRORS: Final = (
-    proton.MessageException,
-    proton.DataException,
-    OverflowError,
-    UnicodeError,
-)
-
-
-def _translate(exc: BaseException, broker: str) -> HaFailoverError:
-    if isinstance(exc, HaFailoverError):
-        return exc
-    if isinstance(exc, proton.SSLUnavailable):
-        return ConfigurationError(f"{broker}: amqps needs a proton built with TLS: {exc}")
-    if isinstance(exc, proton.SSLException):
-        return ConfigurationError(f"{broker}: TLS configuration refused: {exc}")
-    if isinstance(exc, _ENCODING_ERRORS):
-        return ConfigurationError(f"the message cannot be encoded for AMQP: {exc}")
-    if isinstance(exc, proton.Timeout):
-        return CallTimeoutError(f"{broker}: {exc}")
-    if isinstance(exc, proton.ConnectionException | proton.TransportException | OSError):
-        return NotConnectedError(f"{broker}: {exc}")
-    return ProtocolError(f"{broker}: {type(exc).__name__}: {exc}")
-
-
-@contextlib.contextmanager
-def map_errors(broker: str) -> Iterator[None]:
-    try:
-        yield
-    except (proton.ProtonException, OSError, *_ENCODING_ERRORS) as exc:
-        raise _translate(exc, broker) from exc
-
-
-def _condition_text(condition: Condition | None) -> str:
-    if condition is None:
-        return "no reason given"
-    if condition.description:
-        return f"{condition.name}: {condition.description}"
-    return str(condition.name)
-
-
-# Conditions that refuse a request rather than report a failure of the broker or network.
-_REQUEST_REFUSED: Final = frozenset(
-    {
-        _UNAUTHORIZED,
-        "amqp:not-implemented",
-        "amqp:not-allowed",
-        "amqp:not-found",
-        "amqp:invalid-field",
-        "amqp:precondition-failed",
-        "amqp:decode-error",
-    }
-)
-
-
-def _refuses_request(condition: Condition | None) -> bool:
-    return condition is not None and condition.name in _REQUEST_REFUSED
-
-
-def _condition_error(condition: Condition | None, what: str) -> RemoteError:
-    """A request the broker refused, as our error."""
-    if condition is not None and condition.name == _UNAUTHORIZED:
-        return SecurityError(f"{what}: refused: {_condition_text(condition)}")
-    return ProtocolError(f"{what}: refused: {_condition_text(condition)}")
-
-
 def _client_domain(tls: TlsOptions, broker: BrokerAddress) -> SSLDomain:
-    """proton's TLS settings for one amqps link."""
+    """proton's TLS settings for one amqps connection."""
     domain = SSLDomain(SSLDomain.MODE_CLIENT)
     if tls.ca_file is not None:
         domain.set_trusted_ca_db(tls.ca_file)
@@ -249,180 +175,6 @@ def _client_domain(tls: TlsOptions, broker: BrokerAddress) -> SSLDomain:
     if tls.cert_file is not None and tls.key_file is not None:
         domain.set_credentials(tls.cert_file, tls.key_file, None)
     return domain
-
-
-def _refusal(condition: Condition | None, broker: str) -> RemoteError:
-    """Why an open failed: a refused login, a TLS handshake that failed (a configuration
-    matter: retrying cannot fix it), or no connection."""
-    if condition is not None and condition.name == _UNAUTHORIZED:
-        return SecurityError(f"{broker} refused the login: {_condition_text(condition)}")
-    if condition is not None and "SSL" in (condition.description or ""):
-        return SecurityError(f"TLS with {broker} failed: {_condition_text(condition)}")
-    return NotConnectedError(f"cannot connect to {broker}: {_condition_text(condition)}")
-
-
-def _outcome_error(state: int, delivery: Delivery, what: str) -> ProtocolError | None:
-    """None for accepted; otherwise an error naming the outcome and the broker's reason."""
-    if state == _ACCEPTED:
-        return None
-    name = _OUTCOME_NAMES.get(state, f"state {state:#x}")
-    detail = ""
-    if state == _REJECTED:
-        detail = f": {_condition_text(delivery.remote.condition)}"
-    elif state == _MODIFIED:
-        remote = delivery.remote
-        detail = f" (delivery-failed={remote.failed}, undeliverable-here={remote.undeliverable})"
-    return ProtocolError(f"{what}: the broker {name} the message{detail}")
-
-
-# --- messages --------------------------------------------------------------------------------
-
-
-def _property_out(value: PropertyValue) -> PropertyValue:
-    # proton picks an encoder by exact type: str and int subclasses (enums) become plain ones.
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
-    return str(value)
-
-
-def _encode(message: proton.Message, estimate: int) -> bytes:
-    """proton.Message.encode(), starting from a size estimate: proton starts at 16 bytes and
-    doubles, so a 1 KiB message took eight encodings. Falls back to encode() if proton's
-    internals are not what this expects."""
-    pre_encode = getattr(message, "_pre_encode", None)
-    raw = getattr(message, "_msg", None)
-    if pre_encode is None or raw is None:
-        return bytes(message.encode())
-    pre_encode()
-    size = max(estimate, 64)
-    while True:
-        err, data = cproton.pn_message_encode(raw, size)
-        if err == cproton.PN_OVERFLOW:
-            size *= 2
-            continue
-        if err < 0:
-            return bytes(message.encode())  # let proton raise its own error
-        return bytes(data)
-
-
-def encode_message(
-    message: Message, address: str, *, reply_to: str | None, duplicate_detection: bool
-) -> bytes:
-    """The AMQP encoding of ``message`` sent to ``address`` (its id is given here if it has
-    none yet: the message-id is the duplicate id on AMQP, DESIGN F13)."""
-    out = proton.Message()
-    if isinstance(message.body, str):
-        out.body = message.body  # an amqp-value string: a text message
-    else:
-        out.body = message.body
-        out.inferred = True  # a data section: a bytes message
-    out.durable = message.persistent
-    out.priority = message.priority
-    if message.time_to_live is not None:
-        out.ttl = message.time_to_live
-    message_id = message.ensure_message_id()
-    out.id = message_id
-    if message.correlation_id is not None:
-        out.correlation_id = message.correlation_id
-    if reply_to is not None:
-        out.reply_to = reply_to
-    out.address = address
-    properties: dict[str, PropertyValue] = {
-        str(k): _property_out(v) for k, v in message.properties.items()
-    }
-    if stamps_duplicate_id(persistent=message.persistent, duplicate_detection=duplicate_detection):
-        properties[DUPLICATE_ID] = message_id  # Artemis reads this one
-    if properties:
-        out.properties = properties  # type: ignore[assignment] # proton annotates only None
-    payload: bytes = _encode(out, 256 + len(message.body_bytes) + 64 * len(properties))
-    return payload
-
-
-def _id_text(value: object) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes | memoryview):
-        return bytes(value).hex()
-    return str(value)
-
-
-def _property_in(value: object) -> PropertyValue | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
-    if isinstance(value, bytes | memoryview):
-        return bytes(value).hex()
-    return str(value)
-
-
-def _valid_property_name(name: object) -> bool:
-    return isinstance(name, str) and bool(name) and not any(c in name for c in "\x00\n\r")
-
-
-def _body_in(body: object) -> bytes | str:
-    if isinstance(body, str):
-        return str(body)
-    if isinstance(body, bytes | memoryview | bytearray):
-        return bytes(body)
-    if body is None:
-        return b""
-    # A map, list or number: kept in its AMQP encoding, which the caller can decode.
-    data = proton.Data()
-    data.put_object(body)
-    encoded: bytes = data.encode()
-    return encoded
-
-
-def _destination_in(address: str | None) -> Destination | None:
-    if not address:
-        return None
-    try:
-        return parse_destination(address)
-    except ValueError:
-        return None  # a broker-specific form this client does not model
-
-
-def decode_message(payload: bytes, *, fallback: Destination | None = None) -> Message:
-    """A received transfer as a Message (``fallback``: the subscribed destination, used when
-    the message names none)."""
-    incoming = proton.Message()
-    incoming.decode(payload)
-    properties: dict[str, PropertyValue] = {}
-    received: dict[Any, Any] = incoming.properties or {}
-    for name, value in received.items():
-        converted = _property_in(value)
-        if converted is not None and _valid_property_name(name) and name != DUPLICATE_ID:
-            properties[str(name)] = converted
-    stamped = received.get(DUPLICATE_ID)
-    duplicate_id = str(stamped) if isinstance(stamped, str) and stamped else None
-    ttl = incoming.ttl
-    correlation_id = _id_text(incoming.correlation_id)
-    delivery_count = int(incoming.delivery_count)
-    return Message(
-        body=_body_in(incoming.body),
-        properties=properties,
-        persistent=bool(incoming.durable),
-        priority=min(max(int(incoming.priority), 0), 9),
-        time_to_live=ttl if ttl and ttl > 0 else None,
-        correlation_id=correlation_id,
-        reply_to=_destination_in(incoming.reply_to),
-        # The duplicate id its sender stamped, when it did: the same on every broker and at
-        # every delivery (a broker may give a message without a message-id one of its own).
-        message_id=duplicate_id if duplicate_id is not None else _id_text(incoming.id),
-        sender_id=duplicate_id is not None,
-        destination=_destination_in(incoming.address) or fallback,
-        redelivered=delivery_count > 0 or not incoming.first_acquirer,
-        delivery_count=delivery_count,
-    )
 
 
 # --- a request waiting for the broker's answer -----------------------------------------------
@@ -738,7 +490,7 @@ class AmqpEngine:
                 except (proton.ProtonException, HaFailoverError) as exc:
                     # proton refusing its own state ends this connection, never the process
                     log.warning("amqp %s: handling %s failed: %r", self._broker_text(), event, exc)
-                    error = _translate(exc, self._broker_text())
+                    error = translate(exc, self._broker_text())
                     self._die(
                         f"proton failed: {exc!r}",
                         None,
@@ -791,7 +543,7 @@ class AmqpEngine:
             delivery = sender.delivery(str(next(self._names)))
             if tx is not None:
                 # Before the bytes: the transactional state must travel in the transfer itself.
-                _set_state(delivery, _TRANSACTIONAL_STATE, [tx.txn_id])
+                _set_state(delivery, TRANSACTIONAL_STATE, [tx.txn_id])
             sender.stream(payload)
             sender.advance()
         self._outgoing[delivery] = token
@@ -904,12 +656,12 @@ class AmqpEngine:
     def _set_outcome(delivery: Delivery, outcome: Outcome, tx: AmqpTransaction | None) -> None:
         if tx is not None:
             code, fields = {
-                Outcome.ACCEPTED: (_ACCEPTED, list[Any]()),
-                Outcome.RELEASED: (_RELEASED, []),
-                Outcome.REJECTED: (_REJECTED, []),
-                Outcome.MODIFIED: (_MODIFIED, [True]),
+                Outcome.ACCEPTED: (ACCEPTED, list[Any]()),
+                Outcome.RELEASED: (RELEASED, []),
+                Outcome.REJECTED: (REJECTED, []),
+                Outcome.MODIFIED: (MODIFIED, [True]),
             }[outcome]
-            _set_state(delivery, _TRANSACTIONAL_STATE, [tx.txn_id, Described(ulong(code), fields)])
+            _set_state(delivery, TRANSACTIONAL_STATE, [tx.txn_id, Described(ulong(code), fields)])
         elif outcome is Outcome.ACCEPTED:
             delivery.update(Delivery.ACCEPTED)
         elif outcome is Outcome.RELEASED:
@@ -976,7 +728,7 @@ class AmqpEngine:
         declared: Pending[AmqpTransaction] = Pending(
             f"{self._broker_text()}: declare a transaction"
         )
-        self._send_control(Described(_DECLARE, [None]), declare=True, request=declared)
+        self._send_control(Described(DECLARE, [None]), declare=True, request=declared)
         return declared
 
     def discharge(self, tx: AmqpTransaction, *, fail: bool) -> Pending[None]:
@@ -990,7 +742,7 @@ class AmqpEngine:
             UnblockedError if fail else TransactionOutcomeUnknownError,
         )
         self._send_control(
-            Described(_DISCHARGE, [tx.txn_id, fail]), declare=False, request=discharged
+            Described(DISCHARGE, [tx.txn_id, fail]), declare=False, request=discharged
         )
         return discharged
 
@@ -1000,7 +752,7 @@ class AmqpEngine:
             if coordinator is None:
                 coordinator = self._require_session().sender(f"hafailover-txn-{next(self._names)}")
                 coordinator.target.type = Terminus.COORDINATOR
-                coordinator.target.capabilities.put_object(_LOCAL_TRANSACTIONS)
+                coordinator.target.capabilities.put_object(LOCAL_TRANSACTIONS)
                 coordinator.open()
                 self._coordinator = coordinator
             delivery = coordinator.delivery(str(next(self._names)))
@@ -1075,7 +827,7 @@ class AmqpEngine:
         opening = self._opening
         self._opening = None
         if opening is not None:
-            opening.fail(refused or _refusal(condition, self._broker_text()))
+            opening.fail(refused or refusal(condition, self._broker_text()))
         elif not self._closing and not self._lost_reported:
             self._lost_reported = True
             self._emit(self.events.on_lost, f"{self._broker_text()}: {reason}")
@@ -1096,8 +848,8 @@ class AmqpEngine:
             error: HaFailoverError
             if closing:
                 error = ConnectionClosedError(f"{request.what}: the connection was closed")
-            elif request.interrupted is UnblockedError and _refuses_request(condition):
-                error = _condition_error(condition, request.what)
+            elif request.interrupted is UnblockedError and refuses_request(condition):
+                error = condition_error(condition, request.what)
             else:
                 lost = f"the connection was lost: {reason}" if reason else "the connection was lost"
                 error = request.interrupted(f"{request.what}: {lost}")
@@ -1162,22 +914,22 @@ class AmqpEngine:
         if self._dead:  # the answer to our Close
             self._shutdown()
             return
-        self._die(f"closed by the broker: {_condition_text(condition)}", condition)
+        self._die(f"closed by the broker: {condition_text(condition)}", condition)
 
     def _session_closed_by_peer(self, session: Session) -> None:
         if self._dead or session != self._session:
             return
         # Every link lived on this session: without it the connection is of no use.
         condition = session.remote_condition
-        refused = self._refuse_attaching(condition) if _refuses_request(condition) else None
+        refused = self._refuse_attaching(condition) if refuses_request(condition) else None
         self._die(
-            f"the broker ended the session: {_condition_text(condition)}",
+            f"the broker ended the session: {condition_text(condition)}",
             condition,
             blame_pending=refused is None,
         )
         # After the loss: a caller that wakes with its refusal finds the failover begun.
         for request in refused or ():
-            self._emit(request.fail, _condition_error(condition, request.what))
+            self._emit(request.fail, condition_error(condition, request.what))
 
     def _refuse_attaching(self, condition: Condition | None) -> list[Pending[Any]] | None:
         """Find the requests a refusal that ended the session refused: settle their sends
@@ -1209,7 +961,7 @@ class AmqpEngine:
             if delivery.link in refused:
                 del self._outgoing[delivery]
                 address = self._sender_addresses.get(delivery.link, "")
-                error = _condition_error(condition, f"{what}: send to {address} (not sent)")
+                error = condition_error(condition, f"{what}: send to {address} (not sent)")
                 self._emit(self.events.on_settled, token, error)
         waiters: list[Pending[Any]] = []
         for link in refused:
@@ -1229,7 +981,7 @@ class AmqpEngine:
         return waiters
 
     def _transport_failed(self, condition: Condition | None) -> None:
-        self._die(_condition_text(condition), condition)
+        self._die(condition_text(condition), condition)
 
     def _link_opened(self, link: Link) -> None:
         subscription = self._link_subscription.get(link)
@@ -1266,7 +1018,7 @@ class AmqpEngine:
 
     def _link_ended_by_peer(self, link: Link) -> None:
         condition = link.remote_condition
-        reason = _condition_text(condition)
+        reason = condition_text(condition)
         if link.state & Endpoint.LOCAL_ACTIVE:
             link.close()
         if self._dead:
@@ -1402,19 +1154,19 @@ class AmqpEngine:
                 delivery.settle()
             return
         outcome = int(state) if state else 0
-        if outcome == _TRANSACTIONAL_STATE:
+        if outcome == TRANSACTIONAL_STATE:
             outcome = _transactional_outcome(delivery.remote.data)
             if outcome == 0:
                 return  # no outcome yet
-        elif outcome not in _OUTCOME_NAMES:
+        elif outcome not in OUTCOME_NAMES:
             if not delivery.settled:
                 return  # a non-terminal state (received): wait for the outcome
-            outcome = _ACCEPTED  # settled without a state: the broker took it
+            outcome = ACCEPTED  # settled without a state: the broker took it
         del self._outgoing[delivery]
         error = None
-        if outcome != _ACCEPTED:
+        if outcome != ACCEPTED:
             address = self._sender_addresses.get(link) or link.name
-            error = _outcome_error(outcome, delivery, f"{self._broker_text()}: send to {address}")
+            error = outcome_error(outcome, delivery, f"{self._broker_text()}: send to {address}")
         delivery.settle()
         self._emit(self.events.on_settled, token, error)
 
@@ -1426,11 +1178,11 @@ class AmqpEngine:
         self._pending.discard(waiter)
         remote = delivery.remote
         delivery.settle()
-        if declare and state == _DECLARED and remote.data:
+        if declare and state == DECLARED and remote.data:
             tx = AmqpTransaction(_txn_id(remote.data[0]), self.serial)
             if not waiter.succeed(tx):  # nobody waits for it: end what it began
                 self._send_control(
-                    Described(_DISCHARGE, [tx.txn_id, True]), declare=False, request=Pending("")
+                    Described(DISCHARGE, [tx.txn_id, True]), declare=False, request=Pending("")
                 )
             return
         if not declare and state == Delivery.ACCEPTED:
@@ -1438,7 +1190,7 @@ class AmqpEngine:
             return
         what = "declare" if declare else "discharge"
         code = int(state) if state else 0
-        reason = _condition_text(remote.condition) if code == _REJECTED else f"state {code:#x}"
+        reason = condition_text(remote.condition) if code == REJECTED else f"state {code:#x}"
         waiter.fail(ProtocolError(f"{waiter.what}: the broker refused the {what}: {reason}"))
 
 
@@ -1477,8 +1229,8 @@ def _transactional_outcome(data: object) -> int:
     descriptor = data[1].descriptor
     if isinstance(descriptor, int):
         return int(descriptor)
-    names = {v: k for k, v in _OUTCOME_NAMES.items() if isinstance(k, int)}
-    return names.get(_OUTCOME_NAMES.get(str(descriptor), ""), 0)
+    names = {v: k for k, v in OUTCOME_NAMES.items() if isinstance(k, int)}
+    return names.get(OUTCOME_NAMES.get(str(descriptor), ""), 0)
 
 
 def _given(value: T | None) -> T:

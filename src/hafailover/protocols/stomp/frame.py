@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-This module owns the STOMP wire format and nothing else; the client (``adapters/stomp.py``)
+This module owns the STOMP wire format and nothing else; the client (``transport.py``)
 and the reference broker both use it. It never does I/O: no sockets, threads, clocks or
 logging. The broker's connection code feeds it whatever bytes arrived and gets back complete
 frames and heart-beats; it hands it frames and gets back bytes to write. Session rules

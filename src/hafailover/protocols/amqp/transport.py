@@ -1,6 +1,6 @@
 """The socket, the reader thread and the lock of one AMQP connection.
 
-``adapters.amqp.AmqpEngine`` is proton with no I/O; this module is the I/O. One lock
+``engine.AmqpEngine`` is proton with no I/O; this module is the I/O. One lock
 serializes the engine: a request is made under it and its bytes are written under it too (so
 they leave in the order proton produced them, and a send is on the wire when ``send``
 returns: one ``sendall`` per call, TCP_NODELAY, no thread hand-off on the way). One reader
@@ -28,16 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-from hafailover.adapters.amqp import (
-    AmqpEngine,
-    AmqpEvents,
-    AmqpTransaction,
-    Outcome,
-    Pending,
-    encode_message,
-    map_errors,
-)
-from hafailover.adapters.base import Opened, TlsOptions
 from hafailover.destination import Destination
 from hafailover.errors import (
     CallTimeoutError,
@@ -46,6 +36,16 @@ from hafailover.errors import (
     NotConnectedError,
 )
 from hafailover.message import Message
+from hafailover.protocols.amqp.codec import encode_message
+from hafailover.protocols.amqp.engine import (
+    AmqpEngine,
+    AmqpEvents,
+    AmqpTransaction,
+    Outcome,
+    Pending,
+)
+from hafailover.protocols.amqp.errors import map_errors
+from hafailover.protocols.base import Opened, TlsOptions
 from hafailover.url import BrokerAddress
 
 __all__ = ["AmqpTransport"]

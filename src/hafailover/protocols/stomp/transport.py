@@ -24,11 +24,11 @@ from typing import Any, Final, Protocol
 import stomp
 import stomp.exception
 
-from hafailover.adapters.base import Opened, TlsOptions, detects_duplicates, parse_topology
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue, stamps_duplicate_id
-from hafailover.stomp_frame import encode_frame
+from hafailover.protocols.base import Opened, TlsOptions, detects_duplicates, parse_topology
+from hafailover.protocols.stomp.frame import encode_frame
 from hafailover.url import BrokerAddress
 
 log = logging.getLogger(__name__)

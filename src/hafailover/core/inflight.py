@@ -52,14 +52,14 @@ from hafailover.ack_modes import (
     FailoverOutcome,
     rules_for,
 )
+from hafailover.core.report import SessionFailover
+from hafailover.core.window import Command, ConfirmationWindow, ReattachImpossibleError
 from hafailover.errors import (
     CallTimeoutError,
     HaFailoverError,
     NotConnectedError,
     UnblockedError,
 )
-from hafailover.report import SessionFailover
-from hafailover.window import Command, ConfirmationWindow, ReattachImpossibleError
 
 __all__ = [
     "Answer",

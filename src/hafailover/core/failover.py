@@ -72,8 +72,8 @@ from typing import Final, TypeAlias
 
 import attrs
 
+from hafailover.core.inflight import FailoverPlan
 from hafailover.errors import ErrorCode, IllegalStateError
-from hafailover.sessions import FailoverPlan
 from hafailover.url import BrokerAddress
 
 __all__ = [
