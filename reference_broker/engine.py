@@ -102,6 +102,7 @@ from reference_broker.message import (
     DEFAULT_PRIORITY,
     MAX_PRIORITY,
     NO_HEADERS,
+    BrokerError,
     InvalidRequestError,
     Message,
     NotFoundError,
@@ -134,6 +135,7 @@ __all__ = [
     "Checkpoint",
     "ConsumerInfo",
     "Delivery",
+    "DiskFullError",
     "DurableQueueState",
     "Engine",
     "EngineConfig",
@@ -167,6 +169,14 @@ _UNLIMITED: Final = sys.maxsize
 ORIGINAL_ADDRESS_HEADER: Final = "_AMQ_ORIG_ADDRESS"
 ORIGINAL_QUEUE_HEADER: Final = "_AMQ_ORIG_QUEUE"
 ORIGINAL_MESSAGE_ID_HEADER: Final = "_AMQ_ORIG_MESSAGE_ID"
+
+
+class DiskFullError(BrokerError):
+    """The journal's disk has no room for new messages: persistent sends (and commits that
+    hold them) are refused until space returns; everything else, acknowledgements included,
+    goes on."""
+
+    code: ClassVar[str] = "DISK_FULL"
 
 
 class UnknownAddressError(NotFoundError):
@@ -559,6 +569,7 @@ class Engine:
         self._dead_lettered = 0
         self._expired = 0
         self._duplicates_dropped = 0
+        self._refusal: str | None = None  # why new persistent messages are refused, if they are
 
     @property
     def config(self) -> EngineConfig:
@@ -702,6 +713,15 @@ class Engine:
 
     # --- sending ----------------------------------------------------------------------------
 
+    def refuse_persistent_sends(self, reason: str | None) -> None:
+        """Refuse new persistent messages with DiskFullError(reason) from now on; None: accept
+        them again. The node calls it as its journal's disk fills and frees up."""
+        self._refusal = reason
+
+    @property
+    def refusing_persistent_sends(self) -> str | None:
+        return self._refusal
+
     def send(
         self,
         address: str,
@@ -738,6 +758,10 @@ class Engine:
             if cache is not None and duplicate_id in cache.ids:
                 self._duplicates_dropped += 1
                 return None
+        if persistent and self._refusal is not None:
+            # After the duplicate check: a retry of a stored message writes nothing, so it is
+            # still accepted.
+            raise DiskFullError(f"persistent send to {address} refused: {self._refusal}")
         message_id = self._next_message_id
         self._next_message_id = message_id + 1
         message = Message(
@@ -1239,6 +1263,12 @@ class Engine:
         """Commit: route the held sends (dropping duplicates) and apply the settlements, as one
         atomic group of records. Returns how many sends were dropped as duplicates."""
         transaction = self._transaction(tx)
+        if self._refusal is not None and any(m.persistent for m, _, _ in transaction.sends):
+            self._end_transaction(transaction)
+            self._rollback(transaction)
+            raise DiskFullError(
+                f"transaction rolled back: its persistent sends are refused: {self._refusal}"
+            )
         self._end_transaction(transaction)
         records = self._records
         mark = len(records)

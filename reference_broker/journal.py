@@ -70,7 +70,10 @@ whole segment file by hand is not detectable, because compaction deletes whole s
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import enum
+import errno
 import fcntl
 import math
 import os
@@ -80,7 +83,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, ClassVar, NamedTuple, Self
+from typing import Any, BinaryIO, ClassVar, NamedTuple, Self
 
 import attrs
 
@@ -97,6 +100,7 @@ __all__ = [
     "JournalClosedError",
     "JournalCorruptError",
     "JournalError",
+    "JournalFullError",
     "JournalLockedError",
     "JournalSequenceError",
     "JournalUsageError",
@@ -167,6 +171,18 @@ class JournalClosedError(JournalUsageError):
     """The journal was closed, by `close()` or after an I/O error made its state unknown."""
 
     code = "CLOSED"
+
+
+class JournalFullError(JournalError, OSError):
+    """No room on the disk for the next segment. Nothing of the append that needed it was
+    written and the journal stays open: appends that fit the current segment still work, and
+    the same append succeeds once space returns."""
+
+    code = "FULL"
+
+    def __init__(self, directory: Path, cause: OSError) -> None:
+        super().__init__(errno.ENOSPC, f"no space left for a new journal segment in {directory}")
+        self.__cause__ = cause
 
 
 class JournalLockedError(JournalError, OSError):
@@ -432,6 +448,34 @@ def _flush_to_disk(fd: int) -> None:
         os.fsync(fd)
 
 
+_FALLOC_FL_KEEP_SIZE = 1
+_libc_fallocate: Any = None
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve disk blocks for the file's first ``size`` bytes without changing its length
+    (fallocate with FALLOC_FL_KEEP_SIZE), so that writes up to there cannot fail for space.
+
+    Raises OSError(ENOSPC) when the disk cannot hold them; where the file system or the
+    platform cannot preallocate, it does nothing (writes may then fail for space).
+    """
+    global _libc_fallocate
+    if _libc_fallocate is None:
+        name = ctypes.util.find_library("c")
+        function = getattr(ctypes.CDLL(name, use_errno=True), "fallocate", None) if name else None
+        if function is not None:
+            function.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+            function.restype = ctypes.c_int
+        _libc_fallocate = function or False
+    if not _libc_fallocate or size <= 0:
+        return
+    if _libc_fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        raise OSError(code, os.strerror(code))
+
+
 def _lock_directory(directory: Path) -> int:
     fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -601,8 +645,18 @@ class Journal:
             active = segments[-1]
             file = open(active.path, "r+b", buffering=_WRITE_BUFFER)  # noqa: SIM115 - kept open
             file.seek(active.size)
+            # Best effort: without it, appends to this segment may fail for space.
+            with contextlib.suppress(OSError):
+                _preallocate(file.fileno(), segment_size)
         else:
-            active, file = _create_segment(directory, next_number, last_seq, durable=durable)
+            try:
+                active, file = _create_segment(
+                    directory, next_number, last_seq, durable=durable, preallocate=segment_size
+                )
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise JournalFullError(directory, exc) from exc
+                raise
             segments.append(active)
             next_number += 1
         report = RecoveryReport(
@@ -693,6 +747,8 @@ class Journal:
                 _flush_to_disk(self._file.fileno())
             else:
                 self._unsynced += len(data)
+        except JournalFullError:
+            raise  # no segment for it: nothing of it was written, the journal stays usable
         except OSError as exc:
             # The bytes may be partly written: stop here rather than append after them.
             self._fail(exc)
@@ -706,16 +762,27 @@ class Journal:
 
     def _rotate(self) -> _Segment:
         # The old segment is made durable before the next exists, so only the last segment can
-        # ever hold a torn tail.
+        # ever hold a torn tail. It stays open until the next one exists: a disk too full for
+        # the next (its blocks are reserved whole) leaves this journal as it was.
         durable = self._policy.durable
         self._file.flush()
         if durable:
             _flush_to_disk(self._file.fileno())
-        self._file.close()
         self._unsynced = 0
-        segment, self._file = _create_segment(
-            self._directory, self._next_number, self._last_seq, durable=durable
-        )
+        try:
+            segment, file = _create_segment(
+                self._directory,
+                self._next_number,
+                self._last_seq,
+                durable=durable,
+                preallocate=self._segment_size,
+            )
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise JournalFullError(self._directory, exc) from exc
+            raise
+        self._file.close()
+        self._file = file
         self._next_number += 1
         self._segments.append(segment)
         return segment
@@ -862,6 +929,12 @@ class Journal:
         return self._last_seq
 
     @property
+    def room(self) -> int:
+        """Bytes that still fit the active segment, in blocks reserved for it: appends that
+        fit need no new disk space."""
+        return max(0, self._segment_size - self._segments[-1].size)
+
+    @property
     def unsynced_bytes(self) -> int:
         """Bytes appended since the last fsync (always 0 under `always`)."""
         return self._unsynced
@@ -926,9 +999,10 @@ class Journal:
 
 
 def _create_segment(
-    directory: Path, number: int, prev_seq: int, *, durable: bool
+    directory: Path, number: int, prev_seq: int, *, durable: bool, preallocate: int = 0
 ) -> tuple[_Segment, BinaryIO]:
-    """Create a segment whole (header in a temp file, fsync, rename) and open it to append."""
+    """Create a segment whole (header in a temp file, fsync, rename) and open it to append,
+    its first ``preallocate`` bytes reserved on disk (OSError ENOSPC if they cannot be)."""
     path = directory / _segment_name(number)
     if path.exists():
         raise FileExistsError(f"{path} exists already")
@@ -937,6 +1011,7 @@ def _create_segment(
     try:
         file.write(_segment_header(number, prev_seq))
         file.flush()
+        _preallocate(file.fileno(), preallocate)
         if durable:
             _flush_to_disk(file.fileno())
         temp.rename(path)  # the open handle follows the file

@@ -91,6 +91,7 @@ BACKUP = "backup"
 CHECKPOINT_SEGMENTS = 3
 CHECKPOINT_RATIO = 2.0
 _CHECKPOINT_CHECK_INTERVAL = 0.25  # seconds between looks at the journal's size
+_CHECKPOINT_MAX_BACKOFF = 10.0  # the longest pause after failed checkpoints
 
 
 @attrs.frozen
@@ -149,17 +150,32 @@ class Checkpointer:
     """The live's compaction: checkpoints the engine into the journal when the journal has
     grown enough, then deletes the segments before the checkpoint."""
 
-    def __init__(self, engine: Engine, store: Store, *, segments: int, ratio: float) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        store: Store,
+        *,
+        segments: int,
+        ratio: float,
+        max_backoff: float = _CHECKPOINT_MAX_BACKOFF,
+    ) -> None:
         if segments < 1 or not ratio >= 0:
             raise ValueError(f"checkpoint segments {segments} < 1 or ratio {ratio} < 0")
+        if not max_backoff >= _CHECKPOINT_CHECK_INTERVAL:
+            raise ValueError(f"checkpoint max_backoff {max_backoff} < {_CHECKPOINT_CHECK_INTERVAL}")
         self.engine = engine
         self.store = store
         self.segments = segments
         self.ratio = ratio
+        self.max_backoff = max_backoff
         self.begin_seq = 0  # where the last checkpoint began
         self.size = 0  # journal bytes of the last checkpoint
         self.stored = 0  # messages stored when it was taken
         self.count = 0
+        # Failed or postponed checkpoints since the last one that worked, and why the last
+        # one did not: what an operator (and a test) reads to see compaction is stuck.
+        self.failures = 0
+        self.last_failure: str | None = None
 
     def due(self, segments: tuple[SegmentInfo, ...]) -> bool:
         """Enough sealed segments since the last checkpoint to delete, and a journal big
@@ -215,23 +231,55 @@ class Checkpointer:
         )
 
     async def run(self) -> None:
-        """Checkpoint whenever due, until cancelled or the store stops confirming."""
-        journal = self.store.journal
+        """Checkpoint whenever due, until cancelled or the store stops confirming.
+
+        Also looks at the disk each time (``Store.check_space``), so that persistent sends
+        refused for space are accepted again once space returns. A checkpoint the disk has no
+        room for is postponed (writing it would fail the store); one that fails is reported
+        and tried again. Either way the next try waits twice as long as the last, up to
+        ``max_backoff``: compaction is never given up for good.
+        """
+        store = self.store
+        journal = store.journal
+        delay = _CHECKPOINT_CHECK_INTERVAL
         while True:
-            await asyncio.sleep(_CHECKPOINT_CHECK_INTERVAL)
-            segments = await self.store.run(lambda: journal.segments)
+            await asyncio.sleep(delay)
+            delay = _CHECKPOINT_CHECK_INTERVAL
+            await store.check_space()
+            segments = await store.run(lambda: journal.segments)
             if not self.due(segments):
+                continue
+            # The first checkpoint is at most what the journal holds; later ones are sized
+            # by the last.
+            needed = int(1.5 * self.estimate()) if self.count else sum(s.size for s in segments)
+            if not await store.has_room(needed):
+                delay = self._failed(f"postponed: no room on the disk for {needed} bytes")
                 continue
             try:
                 await self.checkpoint()
             except FencedError:
-                return
-            except (JournalError, OSError):
-                # The checkpoint is written; only the deletion failed: try again next time.
-                log.exception("journal compaction failed")
-            except Exception:
-                log.exception("checkpoint failed: the journal is no longer compacted")
-                return
+                return  # the node stops serving: it confirms nothing more
+            except Exception as exc:  # reported, and tried again
+                log.exception("checkpoint or compaction failed")
+                delay = self._failed(f"{type(exc).__name__}: {exc}")
+            else:
+                if self.failures:
+                    log.warning("checkpoint %d taken after %d failures", self.count, self.failures)
+                self.failures = 0
+                self.last_failure = None
+
+    def _failed(self, reason: str) -> float:
+        """Count and report a checkpoint that did not happen; the pause before the next."""
+        self.failures += 1
+        self.last_failure = reason
+        delay = min(self.max_backoff, _CHECKPOINT_CHECK_INTERVAL * 2**self.failures)
+        log.warning(
+            "journal compaction: checkpoint not taken (%s); %d in a row, next try in %.2fs",
+            reason,
+            self.failures,
+            delay,
+        )
+        return delay
 
 
 class BackupCompactor:
@@ -312,6 +360,13 @@ class Node:
 
     def write_status(self, **extra: Any) -> None:
         config = self.config
+        try:
+            self._write_status(config, extra)
+        except OSError as exc:
+            # A full disk must not take the node down: the status is for harnesses only.
+            log.warning("cannot write status.json: %s", exc)
+
+    def _write_status(self, config: NodeConfig, extra: dict[str, Any]) -> None:
         _write_json(
             config.data_dir / "status.json",
             {
@@ -608,6 +663,8 @@ class Node:
         # sight, so that a full collection does not walk it while the lease waits for renewal.
         gc.freeze()
         store = Store(journal, may_serve=self.may_serve)
+        # A disk too full for new data refuses persistent sends; acknowledgements go on.
+        store.on_space = engine.refuse_persistent_sends
         checkpointer = Checkpointer(
             engine, store, segments=config.checkpoint_segments, ratio=config.checkpoint_ratio
         )

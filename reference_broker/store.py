@@ -18,6 +18,16 @@ that is safe because the backup cannot activate while this node holds the witnes
 The store never confirms anything while ``may_serve()`` is false (the fencing check):
 a node that lost its lease must not tell a client that a message is safe.
 
+Disk space: every segment's blocks are reserved when it is created (reference_broker.journal),
+so only a new segment needs new space. After each write, and whenever ``check_space`` is
+called, the store looks at what is left: once the active segment has less than a quarter of
+a segment of room and the disk cannot hold a new segment, it calls ``on_space(reason)``, and
+with None once either is true again. The node then refuses new persistent messages
+(``Engine.refuse_persistent_sends``) while acknowledgements, settlements and rollbacks go on
+writing into that last quarter. A batch that still finds no room (``JournalFullError``) fails
+the store like any write error: the engine has already applied it, so nothing after it may be
+confirmed.
+
 Compaction: ``persist_later`` takes records encoded on the journal thread, at their place in
 the order (a checkpoint of a long backlog takes the event loop too long to encode), and
 ``compact_before(journal, seq)`` deletes the sealed segments wholly before a sequence number
@@ -30,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
@@ -99,6 +110,10 @@ class Store:
         # A journal write or fsync failed: this store confirms nothing more, ever. The node
         # must stop serving (its clients would wait forever) and give the role up.
         self.failed = False
+        # Why new data is refused for space (None: it is not); on_space hears every change.
+        self.full: str | None = None
+        self.on_space: Callable[[str | None], None] | None = None
+        self.space_reserve = journal.segment_size // 4
 
     # --- the journal thread ---------------------------------------------------------------
 
@@ -165,9 +180,10 @@ class Store:
                     records = [
                         Record(type=t, seq=first + i, payload=p) for i, (t, p) in enumerate(batch)
                     ]
-                    return last, starts, records
+                    return last, starts, records, self._space()
 
-                last, firsts, records = await self.run(write)
+                last, firsts, records, full = await self.run(write)
+                self._set_full(full)
                 self.local_seq = last
                 if self.replica is not None and records:
                     self.replica.replicate(records)
@@ -192,6 +208,61 @@ class Store:
         if self._pending and not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._start_flush)
+
+    # --- disk space -----------------------------------------------------------------------
+
+    def _space(self) -> str | None:
+        """On the journal thread: why new data must be refused for space, or None."""
+        journal = self.journal
+        room = journal.room
+        if room >= self.space_reserve:
+            return None
+        try:
+            stat = os.statvfs(journal.directory)
+        except OSError:
+            return None  # cannot tell: appends will say
+        free = stat.f_bavail * stat.f_frsize
+        if free >= journal.segment_size:
+            return None
+        return (
+            f"the journal's disk is full: {free} bytes free in {journal.directory}, "
+            f"a new segment needs {journal.segment_size}"
+        )
+
+    async def has_room(self, size: int) -> bool:
+        """Whether ``size`` more bytes can be written now, the reserve for acknowledgements
+        kept: in the active segment, or in a new one the disk can hold."""
+
+        def check() -> bool:
+            journal = self.journal
+            if journal.room - self.space_reserve >= size:
+                return True
+            try:
+                stat = os.statvfs(journal.directory)
+            except OSError:
+                return True  # cannot tell: appends will say
+            free = stat.f_bavail * stat.f_frsize
+            return free >= max(journal.segment_size, size) + self.space_reserve
+
+        return await self.run(check)
+
+    async def check_space(self) -> str | None:
+        """Look at the disk again (space may have come back with nothing written)."""
+        if self._closed:
+            return self.full
+        self._set_full(await self.run(self._space))
+        return self.full
+
+    def _set_full(self, reason: str | None) -> None:
+        if (reason is None) == (self.full is None):
+            return  # no change (a refusal keeps its first reason)
+        self.full = reason
+        if reason is not None:
+            log.warning("refusing new persistent messages: %s", reason)
+        else:
+            log.warning("disk space is back: accepting persistent messages again")
+        if self.on_space is not None:
+            self.on_space(reason)
 
     async def durable_barrier(self) -> None:
         """Wait until everything persisted so far is durable everywhere it must be."""
