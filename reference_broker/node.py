@@ -32,8 +32,16 @@ backup like any batch, and the backup deletes the same way when it has stored a 
 A journal that ends inside a checkpoint (torn by a crash) gets a new one before anything is
 served, because recovery would take later records for part of the torn one.
 
+The lease is renewed by ``LeaseKeeper`` on a thread of its own, so that client work on the
+event loop (a login flood, a big dispatch) cannot starve it; the loop still checks the lease
+before every effect and fences when it lapses. The keeper renews only while the loop shows
+it is alive (a beat every 20 ms, within ``lease`` seconds), so a hung loop still loses the
+role to the backup.
+
 The node writes ``status.json`` in its data directory at every role change so that
-harnesses (``BrokerPair``) and ``hafailover pair up`` can wait for it.
+harnesses (``BrokerPair``) and ``hafailover pair up`` can wait for it; while live, also
+when the measured lease-renewal gap or event-loop stall grows (``lease_renewal_max_gap``,
+``loop_max_stall``, in seconds).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,7 +90,7 @@ from reference_broker.tls import server_context
 from reference_broker.users import UsersFile
 from reference_broker.witness import Lease, Outcome, Timing, Witness
 
-__all__ = ["BackupCompactor", "Checkpointer", "Node", "NodeConfig", "main"]
+__all__ = ["BackupCompactor", "Checkpointer", "LeaseKeeper", "Node", "NodeConfig", "main"]
 
 log = logging.getLogger("reference_broker.node")
 
@@ -322,6 +331,78 @@ class BackupCompactor:
                     )
 
 
+class LeaseKeeper:
+    """Renews the live's lease on its own thread (see the module's theory of operation).
+
+    Renewals and the drop of the lease take one lock, so a lease the loop dropped is never
+    brought back by a renewal that raced with it. The keeper renews only a lease that may
+    still be served: one that lapsed (the process was paused past it) is the loop's to fence.
+    """
+
+    _POLL = 0.01  # seconds between the thread's looks at the clock
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._stall_limit = node.config.lease
+        self.loop_seen = time.monotonic()
+        self.loop_max_stall = 0.0
+        self.max_gap = 0.0  # longest time between two renewals (the first from the claim)
+        self.renewals = 0
+        lease = node.lease
+        self._last = lease.renewed_at if lease is not None else time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._beat: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._beat = asyncio.get_running_loop().create_task(self._beat_forever())
+        self._thread.start()
+
+    def stop(self, *, keep_lease: bool = False) -> None:
+        """No renewal after this returns; without keep_lease the node's lease is dropped too.
+        Waits at most for one renewal in progress."""
+        with self._lock:
+            self._stopped.set()
+            if not keep_lease:
+                self._node.lease = None
+        if self._beat is not None:
+            self._beat.cancel()
+
+    async def _beat_forever(self) -> None:
+        period = 0.02
+        while True:
+            before = time.monotonic()
+            self.loop_seen = before
+            await asyncio.sleep(period)
+            self.loop_max_stall = max(self.loop_max_stall, time.monotonic() - before - period)
+
+    def _run(self) -> None:
+        node = self._node
+        while not self._stopped.wait(self._POLL):
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                lease = node.lease
+                if lease is None:
+                    return
+                now = time.monotonic()
+                if not lease.renew_due(now) or not lease.may_serve(now):
+                    continue
+                if now - self.loop_seen > self._stall_limit:
+                    continue  # the loop is hung: let the lease run out, the backup takes over
+                decision = node.witness.renew(node.config.node_id, lease.activation)
+                if decision.outcome is Outcome.RENEWED and decision.lease is not None:
+                    node.lease = decision.lease
+                    self.max_gap = max(self.max_gap, decision.lease.renewed_at - self._last)
+                    self._last = decision.lease.renewed_at
+                    self.renewals += 1
+                elif decision.outcome is Outcome.FENCED:
+                    log.warning("%s fenced: %s", node.config.node_id, decision.reason)
+                    node.lease = None
+                    return
+
+
 class Node:
     """A node process's state across role changes."""
 
@@ -340,6 +421,7 @@ class Node:
         self._pending_activation: int | None = None
         self.eligible: tuple[str, int] | None = None  # (live, activation) of a synced journal
         self._backup_store: Store | None = None
+        self._keeper: LeaseKeeper | None = None
         config.data_dir.mkdir(parents=True, exist_ok=True)
         config.pair_dir.mkdir(parents=True, exist_ok=True)
 
@@ -381,9 +463,21 @@ class Node:
                 "synchronized": self.synchronized,
                 "degraded": self.degraded,
                 "time": time.time(),
+                **self._lease_figures(),
                 **extra,
             },
         )
+
+    def _lease_figures(self) -> dict[str, Any]:
+        keeper = self._keeper
+        if keeper is None or self.role != LIVE:
+            return {}
+        return {
+            "lease_renewal_interval": self.config.timing.renew_interval,
+            "lease_renewal_max_gap": round(keeper.max_gap, 4),
+            "lease_renewals": keeper.renewals,
+            "loop_max_stall": round(keeper.loop_max_stall, 4),
+        }
 
     # --- main loop -------------------------------------------------------------------------
 
@@ -459,14 +553,16 @@ class Node:
         config = self.config
         if not await self._acquire():
             return BACKUP
-        # Recovering a long journal can take longer than the lease: keep it renewed meanwhile.
-        renewer = asyncio.get_running_loop().create_task(self._renew_lease())
+        # Recovering a long journal can take longer than the lease: the keeper renews it.
+        keeper = self._keeper = LeaseKeeper(self)
+        keeper.start()
         try:
             prepared = await self._prepare_store()
-        finally:
-            renewer.cancel()
+        except BaseException:
+            keeper.stop()
+            raise
         if prepared is None:
-            self.lease = None  # serve nothing; the lease runs out and the backup may take over
+            keeper.stop()  # serve nothing; the lease runs out and the backup may take over
             return BACKUP
         engine, store, checkpointer = prepared
         core = BrokerCore(
@@ -553,7 +649,7 @@ class Node:
             await store.close()
             # Serve nothing and give the role up at once: the start rule (in the backup loop)
             # activates this node again when it can, unless an eligible backup takes over.
-            self.lease = None
+            keeper.stop()
             self.witness.release(config.node_id, self.activation)
             await asyncio.sleep(0.5)
             return BACKUP
@@ -572,6 +668,8 @@ class Node:
             "degraded: no backup yet",
         )
         next_role = BACKUP
+        measured = (-1.0, -1.0, -1)
+        next_report = 0.0
         try:
             while True:
                 if self._stopping.is_set():
@@ -591,7 +689,7 @@ class Node:
                     # runs out.
                     log.error("%s: the journal failed: fencing itself", config.node_id)
                     replication.keep_eligibility()
-                    self.lease = None
+                    keeper.stop()
                     self._fenced_status()
                     break
                 now = time.monotonic()
@@ -600,15 +698,15 @@ class Node:
                     log.warning("%s: lease no longer valid: fencing itself", config.node_id)
                     self._fenced_status()
                     break
-                if lease.renew_due(now):
-                    decision = self.witness.renew(config.node_id, self.activation)
-                    if decision.outcome is Outcome.RENEWED and decision.lease is not None:
-                        self.lease = decision.lease
-                    elif decision.outcome is Outcome.FENCED:
-                        log.warning("%s fenced: %s", config.node_id, decision.reason)
-                        self.lease = None
-                        self._fenced_status()
-                        break
+                if (
+                    keeper.max_gap,
+                    keeper.loop_max_stall,
+                    keeper.renewals,
+                ) != measured and now >= next_report:
+                    # The figures tests and operators read (docs/security.md); not too often.
+                    measured = (keeper.max_gap, keeper.loop_max_stall, keeper.renewals)
+                    next_report = now + 0.25
+                    self.write_status()
                 # Not degraded once the backup is eligible: it holds every confirmed record.
                 degraded = store.degraded or not replication.synchronized
                 if degraded != self.degraded:
@@ -622,7 +720,7 @@ class Node:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), 0.02)
         finally:
-            self.lease = None if next_role == BACKUP else self.lease
+            keeper.stop(keep_lease=next_role != BACKUP)
             await stop_serving()
             core.stop()
             compaction.cancel()
@@ -678,20 +776,10 @@ class Node:
                 return None
         return engine, store, checkpointer
 
-    async def _renew_lease(self) -> None:
-        """Renew the lease as the serving loop would, until cancelled or fenced."""
-        while self.lease is not None:
-            if self.lease.renew_due(time.monotonic()):
-                decision = self.witness.renew(self.config.node_id, self.activation)
-                if decision.outcome is Outcome.RENEWED and decision.lease is not None:
-                    self.lease = decision.lease
-                elif decision.outcome is Outcome.FENCED:
-                    log.warning("%s fenced: %s", self.config.node_id, decision.reason)
-                    self.lease = None
-            await asyncio.sleep(0.02)
-
     def _give_role_to(self, backup: str | None) -> None:
         assert backup is not None
+        if self._keeper is not None:
+            self._keeper.stop()
         self.lease = None
         decision = self.witness.hand_over(
             self.config.node_id,

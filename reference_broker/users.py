@@ -8,19 +8,56 @@ Both protocols check logins here (STOMP login/passcode, AMQP SASL PLAIN), so a
 pair has one source of users. A successful check is remembered for the life
 of the process (keyed by a hash of the password, never the password), so a
 client that reconnects many times pays the key-derivation cost once.
+
+``LoginGuard`` is how a serving node checks a login (docs/security.md):
+
+- The key derivation (75 ms of CPU at 200,000 iterations) runs on the guard's own worker
+  thread, never on the event loop; ``hashlib`` releases the GIL while it derives.
+- An unknown user costs what a known one does: the password is derived against a dummy
+  record with the same iterations, so the time of a refusal says nothing about the name.
+- Failed logins are throttled per user name and per source address: after the n-th failure
+  on a key, the key is *in penalty* for ``min(base_delay * 2**(n-1), max_delay)`` seconds.
+  An attempt on a key in penalty is answered (refused, without a derivation) when the penalty
+  ends; the loop awaits, it never sleeps. A key forgets its failures after ``forget_after``
+  seconds without one. Attempts on a key with a derivation in flight wait for it, so a pool
+  of connections opened at once with the right password all get in.
+- A login the process already verified (same user, same password) is accepted at once, even
+  for a key in penalty: a flood of wrong passwords does not lock out clients that were in.
+- At most ``max_pending`` derivations wait for the worker; an attempt past that is refused.
+
+What it never does: block the loop, keep a password, or tell a wrong password from an unknown
+user in what it answers or how long it takes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import hashlib
 import hmac
+import logging
 import os
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import attrs
 
 from reference_broker._files import replace_atomically
 
-__all__ = ["UsersFile", "UsersFileError", "hash_password"]
+__all__ = [
+    "LoginGuard",
+    "LoginPolicy",
+    "UsersFile",
+    "UsersFileError",
+    "hash_password",
+    "login_guard",
+]
+
+log = logging.getLogger(__name__)
 
 _SCHEME = "pbkdf2-sha256"
 _ITERATIONS = 200_000
@@ -102,16 +139,198 @@ class UsersFile:
         return len(self._users)
 
     def verify(self, name: str | None, password: str | None) -> bool:
-        """Whether the name and password match a user."""
+        """Whether the name and password match a user (derives the key: slow, blocking)."""
         if name is None or password is None:
             return False
+        if self.verified_before(name, password):
+            return True
         stored = self._users.get(name)
         if stored is None:
+            _check(_dummy(), password)  # the same cost as a known user's check
             return False
-        key = (name, hashlib.sha256(stored.encode() + b"\0" + password.encode()).digest())
-        if key in self._verified:
-            return True
         if _check(stored, password):
-            self._verified.add(key)
+            self._verified.add(self._cache_key(name, stored, password))
             return True
         return False
+
+    def verified_before(self, name: str, password: str) -> bool:
+        """Whether this process already verified this very name and password (cheap)."""
+        stored = self._users.get(name)
+        return stored is not None and self._cache_key(name, stored, password) in self._verified
+
+    @staticmethod
+    def _cache_key(name: str, stored: str, password: str) -> tuple[str, bytes]:
+        return (name, hashlib.sha256(stored.encode() + b"\0" + password.encode()).digest())
+
+
+@functools.cache
+def _dummy() -> str:
+    """A record no password matches, derived like a real one (made once, when first needed)."""
+    return hash_password(os.urandom(16).hex())
+
+
+@attrs.frozen
+class LoginPolicy:
+    """How failed logins are throttled (see LoginGuard); seconds unless said otherwise."""
+
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+    forget_after: float = 60.0
+    max_pending: int = 64
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 < self.base_delay <= self.max_delay:
+            raise ValueError(
+                f"login delays: need 0 < base_delay ({self.base_delay}) <= max_delay "
+                f"({self.max_delay})"
+            )
+        if self.forget_after < self.max_delay:
+            raise ValueError(
+                f"login forget_after ({self.forget_after}) must be at least max_delay "
+                f"({self.max_delay})"
+            )
+        if self.max_pending < 1:
+            raise ValueError(f"login max_pending must be at least 1, not {self.max_pending}")
+
+    def delay(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        return min(self.base_delay * 2.0 ** min(failures - 1, 60), self.max_delay)
+
+
+@attrs.define
+class _Key:
+    failures: int = 0
+    last_failure: float = 0.0
+    busy: asyncio.Future[None] | None = None  # a derivation in flight on this key
+
+
+class LoginGuard:
+    """Checks logins for a serving node without blocking its event loop (module docstring)."""
+
+    def __init__(
+        self,
+        users: UsersFile,
+        policy: LoginPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.users = users
+        self.policy = policy or LoginPolicy()
+        self._clock = clock
+        self._keys: dict[tuple[str, str], _Key] = {}
+        self._pending = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self.derivations = 0  # how many key derivations ran (tests and status read it)
+        self.throttled = 0  # attempts refused in a penalty, without a derivation
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def authenticate(
+        self, name: str | None, password: str | None, source: str, *, allow_anonymous: bool
+    ) -> bool:
+        """A client's login: anonymous (no name, no password) only where allowed; a refusal
+        is logged with the name and the source, never the password."""
+        if name is None and password is None and allow_anonymous:
+            return True
+        if await self.check(name, password, source):
+            return True
+        log.warning("authentication failed for user %r from %s", name, source)
+        return False
+
+    async def check(self, name: str | None, password: str | None, source: str) -> bool:
+        """Whether the login is good; refusals come after the penalty of their keys."""
+        if name is None or password is None:
+            return False
+        if self.users.verified_before(name, password):
+            return True
+        keys = [("user", name), ("source", _host(source))]
+        while True:
+            busy = [k.busy for k in (self._key(key) for key in keys) if k.busy is not None]
+            if not busy:
+                break
+            await asyncio.wait(busy)
+            if self.users.verified_before(name, password):
+                return True
+        now = self._clock()
+        penalty = max(self._penalty_end(key) for key in keys) - now
+        if penalty > 0:
+            self.throttled += 1
+            await asyncio.sleep(penalty)
+            return False
+        if self._pending >= self.policy.max_pending:
+            log.warning(
+                "login of %r from %s refused: %d checks waiting", name, source, self._pending
+            )
+            return False
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self._key(key).busy = done
+        self._pending += 1
+        try:
+            ok = await asyncio.get_running_loop().run_in_executor(
+                self._worker(), self.users.verify, name, password
+            )
+        finally:
+            self._pending -= 1
+            for key in keys:
+                self._key(key).busy = None
+            done.set_result(None)
+        self.derivations += 1
+        if ok:
+            return True
+        now = self._clock()
+        for key in keys:
+            state = self._key(key)
+            if now - state.last_failure > self.policy.forget_after:
+                state.failures = 0
+            state.failures += 1
+            state.last_failure = now
+        await asyncio.sleep(max(self._penalty_end(key) for key in keys) - self._clock())
+        return False
+
+    def _key(self, key: tuple[str, str]) -> _Key:
+        state = self._keys.get(key)
+        if state is None:
+            if len(self._keys) > 100_000:
+                self._forget(self._clock())
+            state = self._keys[key] = _Key()
+        return state
+
+    def _penalty_end(self, key: tuple[str, str]) -> float:
+        state = self._key(key)
+        if self._clock() - state.last_failure > self.policy.forget_after:
+            return 0.0
+        return state.last_failure + self.policy.delay(state.failures)
+
+    def _forget(self, now: float) -> None:
+        """Drop keys idle past forget_after: the table stays as big as the recent failures."""
+        for key, state in list(self._keys.items()):
+            if state.busy is None and now - state.last_failure > self.policy.forget_after:
+                del self._keys[key]
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="login-check")
+        return self._executor
+
+
+_GUARDS: weakref.WeakKeyDictionary[UsersFile, LoginGuard] = weakref.WeakKeyDictionary()
+
+
+def login_guard(users: UsersFile, policy: LoginPolicy | None = None) -> LoginGuard:
+    """The one guard of a users file in this process (made with ``policy`` on first use), so
+    that every listener of a node throttles on the same failures."""
+    guard = _GUARDS.get(users)
+    if guard is None:
+        guard = _GUARDS[users] = LoginGuard(users, policy)
+    return guard
+
+
+def _host(peer: str) -> str:
+    """The address part of ``host:port`` (IPv6 addresses hold colons too)."""
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() else peer

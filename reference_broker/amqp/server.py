@@ -115,6 +115,7 @@ from reference_broker.engine import (
 from reference_broker.engine import Delivery as EngineDelivery
 from reference_broker.message import BrokerError, InvalidRequestError, NotFoundError
 from reference_broker.message import Message as EngineMessage
+from reference_broker.users import login_guard
 
 __all__ = [
     "PRODUCER_CREDIT",
@@ -279,6 +280,7 @@ class AmqpConnection(asyncio.Protocol):
         self._tick_handle: asyncio.TimerHandle | None = None
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
+        self._login: asyncio.Task[None] | None = None  # the SASL password check
 
     # --- asyncio callbacks -----------------------------------------------------------------
 
@@ -318,6 +320,8 @@ class AmqpConnection(asyncio.Protocol):
         for timer in (self._tick_handle, self._handshake_timer, self._abort_timer):
             if timer is not None:
                 timer.cancel()
+        if self._login is not None:
+            self._login.cancel()
         self._end_engine_connection()
         self._links.clear()
         self._unconfirmed.clear()
@@ -371,21 +375,37 @@ class AmqpConnection(asyncio.Protocol):
 
     def _authenticate(self, sasl: SaslServer, init: SaslInitReceived) -> None:
         user: str | None = None
-        ok = False
+        password: str | None = None
         if init.mechanism == "PLAIN":
             try:
                 authzid, user, password = parse_plain(init.initial_response)
             except PlainCredentialsError as exc:
                 log.info("amqp client %s: bad PLAIN response: %s", self.peer, exc)
-            else:
+                self._sasl_verdict(sasl, None)
+                return
+            if authzid not in ("", user):
                 # No impersonation: an authorization id, if given, must be the user itself.
-                ok = authzid in ("", user) and self.core.authenticate(user, password, self.peer)
-        elif init.mechanism == "ANONYMOUS" and self.core.config.allow_anonymous:
-            ok = self.core.authenticate(None, None, self.peer)
-        else:
+                log.warning("amqp client %s: PLAIN authzid %r is not %r", self.peer, authzid, user)
+                self._sasl_verdict(sasl, None)
+                return
+        elif init.mechanism != "ANONYMOUS" or not self.core.config.allow_anonymous:
             log.warning(
                 "amqp client %s asked for SASL mechanism %r, not offered", self.peer, init.mechanism
             )
+            self._sasl_verdict(sasl, None)
+            return
+        # The password check runs off the event loop (reference_broker.users.LoginGuard); the
+        # SASL machine keeps what the client pipelines meanwhile.
+        self._login = asyncio.get_running_loop().create_task(self._log_in(sasl, user, password))
+
+    async def _log_in(self, sasl: SaslServer, user: str | None, password: str | None) -> None:
+        ok = await login_guard(self.core.users).authenticate(
+            user, password, self.peer, allow_anonymous=self.core.config.allow_anonymous
+        )
+        if not self._closed and self._sasl is sasl:
+            self._sasl_verdict(sasl, user if ok else None, ok=ok)
+
+    def _sasl_verdict(self, sasl: SaslServer, user: str | None, *, ok: bool = False) -> None:
         if not ok:
             sasl.refuse(SaslCode.AUTH)
             self._write(sasl.data_to_send())

@@ -65,6 +65,7 @@ from hafailover.protocols.stomp.frame import (
 from reference_broker.core import BrokerCore
 from reference_broker.engine import AckMode, Delivery
 from reference_broker.message import BrokerError, InvalidRequestError
+from reference_broker.users import login_guard
 
 __all__ = ["StompConnection", "StompSession", "serve_stomp", "stomp_destination"]
 
@@ -99,6 +100,8 @@ _ACK_MODES: Final = {
     "client-individual": AckMode.CLIENT_INDIVIDUAL,
 }
 _WRITE_HIGH_WATER: Final = 4 * 1024 * 1024
+# Frames a client may pipeline after CONNECT while its password is checked.
+_MAX_EARLY_FRAMES: Final = 1000
 
 
 def stomp_destination(destination: str, session: StompSession) -> str:
@@ -207,6 +210,8 @@ class StompConnection(asyncio.Protocol):
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._connect_timer: asyncio.TimerHandle | None = None
         self._paused = False
+        self._login: asyncio.Task[None] | None = None  # the CONNECT's password check
+        self._early: deque[Frame] | None = None  # frames that came during it
 
     # --- asyncio callbacks -----------------------------------------------------------------
 
@@ -244,6 +249,8 @@ class StompConnection(asyncio.Protocol):
             self._heartbeat_task.cancel()
         if self._connect_timer is not None:
             self._connect_timer.cancel()
+        if self._login is not None:
+            self._login.cancel()
         session = self.session
         if session is None or session.connection is not self:
             return
@@ -275,7 +282,15 @@ class StompConnection(asyncio.Protocol):
         frame = event
         command = frame.command
         session = self.session
+        if self._early is not None:
+            if len(self._early) >= _MAX_EARLY_FRAMES:
+                self._error(f"more than {_MAX_EARLY_FRAMES} frames before CONNECTED")
+                return
+            self._early.append(frame)
+            return
         if session is None:
+            if self._login is not None:
+                return  # a refused login: the ERROR is on its way
             if command in ("CONNECT", "STOMP"):
                 self._on_connect(frame)
             else:
@@ -325,10 +340,29 @@ class StompConnection(asyncio.Protocol):
             )
             return
         self.version = self.parser.version = version
+        # The password check runs off the event loop (reference_broker.users.LoginGuard):
+        # frames that come meanwhile wait in _early and are handled once CONNECTED is sent.
+        self._early = deque()
+        self._login = asyncio.get_running_loop().create_task(self._log_in(frame, version))
+
+    async def _log_in(self, frame: Frame, version: str) -> None:
         user, passcode = frame.get("login"), frame.get("passcode")
-        if not self.core.authenticate(user, passcode, self.peer):
+        ok = await login_guard(self.core.users).authenticate(
+            user, passcode, self.peer, allow_anonymous=self.core.config.allow_anonymous
+        )
+        if self._closing:
+            return
+        if not ok:
             self._error(f"authentication failed for user {user!r}")
             return
+        self._connected(frame, version, user)
+        early, self._early = self._early, None
+        for event in early or ():
+            if self._closing:
+                return
+            self._handle_event(event)
+
+    def _connected(self, frame: Frame, version: str, user: str | None) -> None:
         if not self.core.may_serve():
             self._error("this node is not active: connect to the live node")
             return
