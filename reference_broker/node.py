@@ -55,6 +55,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -83,7 +84,14 @@ from reference_broker.records import (
     RecordType,
     decode,
 )
-from reference_broker.replication import HANDOVER_TIMEOUT, BackupLink, LiveReplicationServer
+from reference_broker.replication import (
+    HANDOVER_TIMEOUT,
+    BackupLink,
+    LiveReplicationServer,
+    PairSecretError,
+    client_tls_context,
+    load_pair_secret,
+)
 from reference_broker.stomp.server import StompConnection
 from reference_broker.store import FencedError, Store, compact_before
 from reference_broker.tls import server_context
@@ -132,6 +140,9 @@ class NodeConfig:
     announce_host: str | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
+    # The pair secret both nodes prove they hold on the replication link; None: the file
+    # PAIR_SECRET_NAME in pair_dir, made by the first node to start (docs/security.md).
+    pair_secret_file: Path | None = None
     max_connection_ttl: float = 300.0
     segment_size: int = DEFAULT_SEGMENT_SIZE
     checkpoint_segments: int = CHECKPOINT_SEGMENTS
@@ -422,8 +433,9 @@ class Node:
         self.eligible: tuple[str, int] | None = None  # (live, activation) of a synced journal
         self._backup_store: Store | None = None
         self._keeper: LeaseKeeper | None = None
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        config.pair_dir.mkdir(parents=True, exist_ok=True)
+        config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        config.pair_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.pair_secret = load_pair_secret(config.pair_dir, config.pair_secret_file)
 
     # --- persistent identity ---------------------------------------------------------------
 
@@ -612,6 +624,13 @@ class Node:
             timeout=config.heartbeat_timeout,
             on_handover=handover,
             on_eligibility=self._record_eligibility,
+            secret=self.pair_secret,
+            tls=(
+                server_context(config.tls_cert, config.tls_key, None)
+                if config.tls_cert is not None and config.tls_key is not None
+                else None
+            ),
+            certificate=_certificate_der(config.tls_cert),
         )
         servers: list[asyncio.Server] = []
 
@@ -855,6 +874,8 @@ class Node:
                     open_store=self._fresh_store,
                     on_synchronized=self._synchronized,
                     on_appended=BackupCompactor(),
+                    secret=self.pair_secret,
+                    tls=client_tls_context() if config.tls_cert is not None else None,
                 )
                 follower = asyncio.get_running_loop().create_task(
                     link.follow(config.peer_host, config.peer_replication_port)
@@ -872,7 +893,7 @@ class Node:
                 if self._may_start_live() and self._activate_again():
                     return LIVE
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), 0.1)
+                    await asyncio.wait_for(self._stopping.wait(), 1.0 if link.refused else 0.1)
             return BACKUP
         finally:
             await self._close_backup_store()
@@ -1016,6 +1037,15 @@ async def _port_open(host: str, port: int) -> bool:
     return True
 
 
+def _certificate_der(path: Path | None) -> bytes | None:
+    """The first certificate of a PEM file, as DER: what the live presents over TLS."""
+    if path is None:
+        return None
+    text = path.read_text(encoding="ascii")
+    end = "-----END CERTIFICATE-----"
+    return ssl.PEM_cert_to_DER_cert(text[: text.index(end) + len(end)])
+
+
 def _sync_policy(name: str) -> SyncPolicy:
     return {"always": SyncPolicy.always, "group": SyncPolicy.group, "never": SyncPolicy.never}[
         name
@@ -1072,6 +1102,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=CHECKPOINT_RATIO,
         help="... and the journal is at least this many times the last checkpoint's size",
     )
+    p.add_argument(
+        "--pair-secret-file",
+        type=Path,
+        help="the pair secret (hex, mode 0600) for nodes that share no pair directory; "
+        "default: pair.secret in --pair-dir, made by the first node",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -1104,6 +1140,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         segment_size=args.segment_size,
         checkpoint_segments=args.checkpoint_segments,
         checkpoint_ratio=args.checkpoint_ratio,
+        pair_secret_file=args.pair_secret_file,
     )
 
 
@@ -1119,7 +1156,11 @@ def main(argv: list[str] | None = None) -> int:
     # interval the loop waits that long to get it back after each write (the convoy effect):
     # a dispatch of a thousand deliveries then holds up the lease renewal past the lease.
     sys.setswitchinterval(0.0001)
-    node = Node(config_from_args(args))
+    try:
+        node = Node(config_from_args(args))
+    except PairSecretError as exc:
+        log.error("%s", exc)  # noqa: TRY400 - the reason is the whole story
+        return 2
     asyncio.run(node.run())
     return 0
 

@@ -2,7 +2,19 @@
 
 Theory of operation
 -------------------
-The backup connects to the live's replication port and says HELLO. The live answers
+Before anything else the two ends prove to each other that they belong to the pair: both
+hold the pair secret (``load_pair_secret``), and neither sends it. The backup says HELLO with
+its node id and a fresh random nonce; the live answers CHALLENGE with its own id and nonce
+and ``HMAC(secret, "live" | transcript)``; the backup checks it and answers PROOF with
+``HMAC(secret, "backup" | transcript)``, which the live checks. The transcript holds both
+ids, both nonces and, over TLS, the SHA-256 of the live's certificate as each end sees it
+(RFC 5929's tls-server-end-point), so an end in the middle that terminates TLS itself gets
+proofs that fit nowhere. A wrong proof ends the connection with a log line that says so; a
+connection that has not proved itself holds no slot and gets no journal byte. With TLS the
+link is encrypted: the live listens with the node's certificate, the backup connects with TLS
+and needs no CA, since the proof covers the certificate.
+
+Once both proved themselves the backup is attached (one at a time). The live answers
 SYNC_BEGIN with the last sequence number already in its journal, streams every record up
 to it (initial synchronization), then SYNC_END. From the moment it said SYNC_BEGIN, every
 batch the live writes is also sent, in order, after the synchronization part. The backup
@@ -37,12 +49,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hashlib
+import hmac
 import json
 import logging
+import os
+import secrets
+import ssl
+import stat
 import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, Final
 
 from reference_broker.journal import Journal, Record
@@ -50,9 +69,16 @@ from reference_broker.store import Store
 
 __all__ = [
     "HANDOVER_TIMEOUT",
+    "PAIR_SECRET_NAME",
     "BackupLink",
     "Kind",
     "LiveReplicationServer",
+    "PairSecretError",
+    "ReplicationAuthError",
+    "backup_handshake",
+    "client_tls_context",
+    "live_handshake",
+    "load_pair_secret",
     "read_frame",
     "record_frames",
     "write_frame",
@@ -74,6 +100,10 @@ SYNC_CHUNK: Final = 2000  # records per executor call while copying the journal
 MAX_BACKLOG_BYTES: Final = 256 * 1024 * 1024
 DRAIN_TIMEOUTS: Final = 5  # heart-beat timeouts a copy waits for the backup to read a chunk
 FRAME_RECORD_BYTES: Final = 1024 * 1024  # a RECORDS frame is cut after this many bytes
+# In the pair directory, unless a file is given; a file name, not a secret.
+PAIR_SECRET_NAME: Final = "pair.secret"  # noqa: S105
+_MIN_SECRET_BYTES: Final = 16
+_NONCE_BYTES: Final = 32
 
 
 class Kind(enum.IntEnum):
@@ -85,10 +115,170 @@ class Kind(enum.IntEnum):
     PING = 6
     HANDOVER = 7
     HANDOVER_READY = 8
+    CHALLENGE = 9
+    PROOF = 10
 
 
 class ReplicationProtocolError(ConnectionError):
     """The peer sent something this end cannot accept."""
+
+
+class ReplicationAuthError(ReplicationProtocolError):
+    """The peer did not prove that it holds the pair secret."""
+
+
+class PairSecretError(ValueError):
+    """The pair secret file is missing, unsafe or malformed; the message names the file."""
+
+
+# --- the pair secret --------------------------------------------------------------------------
+
+
+def load_pair_secret(pair_dir: Path, secret_file: Path | None = None) -> bytes:
+    """The pair secret: from ``secret_file`` if given (it must exist), else from the pair
+    directory, where the first node to start creates it (0600, 32 random bytes in hex). The
+    file appears complete or not at all (written aside, then linked), so both nodes agree."""
+    if secret_file is None:
+        secret_file = pair_dir / PAIR_SECRET_NAME
+        if not secret_file.exists():
+            _create_secret(secret_file)
+    elif not secret_file.exists():
+        raise PairSecretError(f"pair secret file {secret_file} does not exist")
+    mode = secret_file.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise PairSecretError(
+            f"pair secret file {secret_file} is readable by others (mode {stat.filemode(mode)}): "
+            f"chmod 600 it"
+        )
+    text = secret_file.read_text(encoding="ascii", errors="replace").strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise PairSecretError(f"pair secret file {secret_file} must hold hex digits") from None
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise PairSecretError(
+            f"pair secret in {secret_file} is {len(secret)} bytes; at least "
+            f"{_MIN_SECRET_BYTES} are needed"
+        )
+    return secret
+
+
+def _create_secret(path: Path) -> None:
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (secrets.token_hex(32) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temp, path)  # fails if the other node made it first: then both read its file
+    except FileExistsError:
+        pass
+    finally:
+        temp.unlink()
+
+
+def _proof(secret: bytes, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(secret, role + b"\0" + transcript, hashlib.sha256).digest()
+
+
+def _transcript(backup: dict[str, Any], live: dict[str, Any], binding: bytes) -> bytes:
+    return json.dumps(
+        [backup["node_id"], backup["nonce"], live["live"], live["nonce"], binding.hex()]
+    ).encode()
+
+
+def _nonce(value: object) -> str:
+    if not isinstance(value, str) or len(value) != 2 * _NONCE_BYTES:
+        raise ReplicationProtocolError("HELLO and CHALLENGE need a 64-hex-digit nonce")
+    return value
+
+
+def _certificate_binding(der: bytes | None) -> bytes:
+    """tls-server-end-point (RFC 5929): the hash of the live's certificate; empty without TLS."""
+    return b"" if der is None else hashlib.sha256(der).digest()
+
+
+async def live_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    node_id: str,
+    secret: bytes,
+    timeout: float,
+    binding: bytes = b"",
+) -> str:
+    """The live's half of HELLO, CHALLENGE, PROOF (module docstring): the backup's id once it
+    proved itself; ReplicationAuthError if it did not. ``binding``: _certificate_binding of
+    the certificate the live presents, over TLS."""
+    kind, payload = await read_frame(reader, timeout, limit=4096)
+    if kind is not Kind.HELLO:
+        raise ReplicationAuthError(f"expected HELLO, got {kind.name}")
+    hello = _json(payload)
+    if not isinstance(hello.get("node_id"), str):
+        raise ReplicationAuthError("HELLO without a node id")
+    hello["nonce"] = _nonce(hello.get("nonce"))
+    challenge = {"live": node_id, "nonce": secrets.token_hex(_NONCE_BYTES)}
+    transcript = _transcript(hello, challenge, binding)
+    challenge["proof"] = _proof(secret, b"live", transcript).hex()
+    write_frame(writer, Kind.CHALLENGE, json.dumps(challenge).encode())
+    await writer.drain()
+    kind, payload = await read_frame(reader, timeout, limit=4096)
+    if kind is not Kind.PROOF:
+        raise ReplicationAuthError(f"expected PROOF, got {kind.name}")
+    expected = _proof(secret, b"backup", transcript).hex()
+    if not hmac.compare_digest(expected, payload.decode("ascii", "replace")):
+        raise ReplicationAuthError(
+            f"node {hello['node_id']!r} does not hold this pair's secret (wrong proof)"
+        )
+    return str(hello["node_id"])
+
+
+async def backup_handshake(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    *,
+    node_id: str,
+    secret: bytes,
+    timeout: float,
+    where: str = "the live",
+) -> str:
+    """The backup's half: the live's id once it proved itself; ReplicationAuthError if it did
+    not (the live closes the link if this end does not)."""
+    hello = {"node_id": node_id, "nonce": secrets.token_hex(_NONCE_BYTES)}
+    write_frame(writer, Kind.HELLO, json.dumps(hello).encode())
+    kind, payload = await read_frame(reader, timeout, limit=4096)
+    if kind is not Kind.CHALLENGE:
+        raise ReplicationAuthError(f"expected CHALLENGE from {where}, got {kind.name}")
+    challenge = _json(payload)
+    challenge["nonce"] = _nonce(challenge.get("nonce"))
+    if not isinstance(challenge.get("live"), str):
+        raise ReplicationAuthError(f"CHALLENGE from {where} without the live's id")
+    ssl_object = writer.get_extra_info("ssl_object")
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    transcript = _transcript(hello, challenge, _certificate_binding(der))
+    expected = _proof(secret, b"live", transcript).hex()
+    # Our proof goes out even to a live whose proof is wrong: it reveals nothing of the
+    # secret (fresh nonces), and the live then logs the refusal for what it is.
+    write_frame(writer, Kind.PROOF, _proof(secret, b"backup", transcript).hex().encode())
+    with contextlib.suppress(ConnectionError, OSError):
+        await writer.drain()
+    if not hmac.compare_digest(expected, str(challenge.get("proof", ""))):
+        raise ReplicationAuthError(
+            f"the live at {where} does not hold this pair's secret (wrong proof): "
+            f"refusing to follow it"
+        )
+    return str(challenge["live"])
+
+
+def client_tls_context() -> ssl.SSLContext:
+    """The backup's TLS: encrypted, no CA needed (the HMAC proof covers the certificate)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 
 def encode_records(records: list[Record]) -> bytes:
@@ -137,10 +327,12 @@ def write_frame(writer: asyncio.StreamWriter, kind: Kind, payload: bytes = b"") 
     writer.write(_HEAD.pack(len(payload) + 1, kind) + payload)
 
 
-async def read_frame(reader: asyncio.StreamReader, timeout: float) -> tuple[Kind, bytes]:
+async def read_frame(
+    reader: asyncio.StreamReader, timeout: float, *, limit: int = MAX_FRAME
+) -> tuple[Kind, bytes]:
     head = await asyncio.wait_for(reader.readexactly(4), timeout)
     (length,) = struct.unpack("<I", head)
-    if not 1 <= length <= MAX_FRAME:
+    if not 1 <= length <= limit:
         raise ReplicationProtocolError(f"replication frame of {length} bytes")
     body = await asyncio.wait_for(reader.readexactly(length), timeout)
     try:
@@ -175,8 +367,17 @@ class LiveReplicationServer:
         timeout: float,
         on_handover: Callable[[], Awaitable[int]],
         on_eligibility: Callable[[str, bool], None],
+        secret: bytes,
+        tls: ssl.SSLContext | None = None,
+        certificate: bytes | None = None,
     ) -> None:
+        if len(secret) < _MIN_SECRET_BYTES:
+            raise ValueError(f"the pair secret must be at least {_MIN_SECRET_BYTES} bytes")
         self.store = store
+        self._secret = secret
+        self._tls = tls
+        # The DER of the certificate the live presents over TLS, for the proofs' binding.
+        self._binding = _certificate_binding(certificate)
         self.node_id = node_id
         self.activation = activation
         self.timeout = timeout
@@ -202,7 +403,9 @@ class LiveReplicationServer:
         self._keep_eligibility = False
 
     async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._accept, host, port, reuse_address=True)
+        self.server = await asyncio.start_server(
+            self._accept, host, port, reuse_address=True, ssl=self._tls
+        )
         return int(self.server.sockets[0].getsockname()[1])
 
     def keep_eligibility(self) -> None:
@@ -227,6 +430,28 @@ class LiveReplicationServer:
             self._outbox_ready.set()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Not capped: a cap on connections still proving themselves would let an impostor that
+        # holds that many keep the real backup out. Each one is bounded by the link timeout.
+        peer = writer.get_extra_info("peername")
+        try:
+            backup_id = await live_handshake(
+                reader,
+                writer,
+                node_id=self.node_id,
+                secret=self._secret,
+                timeout=self.timeout,
+                binding=self._binding,
+            )
+        except ReplicationAuthError as exc:
+            log.error("replication: refused a backup connection from %s: %s", peer, exc)  # noqa: TRY400
+            writer.close()
+            return
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
+            log.warning(
+                "replication connection from %s ended before it proved itself: %r", peer, exc
+            )
+            writer.close()
+            return
         # One link at a time: the sync state below is the link's. A connection that arrives
         # while the previous link is still alive, or still ending, is refused; the backup
         # tries again.
@@ -236,6 +461,7 @@ class LiveReplicationServer:
             return
         self._writer = writer
         self._link = asyncio.current_task()
+        self.backup_id = backup_id
         try:
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
@@ -253,11 +479,6 @@ class LiveReplicationServer:
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        kind, payload = await read_frame(reader, self.timeout)
-        if kind is not Kind.HELLO:
-            raise ReplicationProtocolError(f"expected HELLO, got {kind.name}")
-        hello = _json(payload)
-        self.backup_id = str(hello.get("node_id"))
         log.info("backup %s attached: initial synchronization starts", self.backup_id)
         self._syncing = True
         upto = self.store.attach_replica(self)
@@ -404,7 +625,14 @@ class BackupLink:
         open_store: Callable[[], Awaitable[Store]],
         on_synchronized: Callable[[str, int], None],
         on_appended: Callable[[Journal, list[Record]], None] | None = None,
+        secret: bytes,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        if len(secret) < _MIN_SECRET_BYTES:
+            raise ValueError(f"the pair secret must be at least {_MIN_SECRET_BYTES} bytes")
+        self._secret = secret
+        self._tls = tls
+        self.refused = False  # the pair secret did not match: worth a longer pause
         self.node_id = node_id
         self.timeout = timeout
         self.store: Store | None = None  # a fresh journal, opened at SYNC_BEGIN
@@ -422,12 +650,30 @@ class BackupLink:
 
     async def follow(self, host: str, port: int) -> None:
         """Connect, synchronize and follow until the link dies (then return or raise)."""
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=self._tls), self.timeout
+        )
+        try:
+            await backup_handshake(
+                reader,
+                writer,
+                node_id=self.node_id,
+                secret=self._secret,
+                timeout=self.timeout,
+                where=f"{host}:{port}",
+            )
+        except ReplicationAuthError as exc:
+            log.error("replication: %s", exc)  # noqa: TRY400 - the reason is the whole story
+            self.refused = True
+            writer.close()
+            raise
+        except BaseException:
+            writer.close()
+            raise
         self._writer = writer
         self.last_seen = time.monotonic()
         pinger = asyncio.get_running_loop().create_task(self._ping(writer))
         try:
-            write_frame(writer, Kind.HELLO, json.dumps({"node_id": self.node_id}).encode())
             kind, payload = await read_frame(reader, self.timeout)
             if kind is not Kind.SYNC_BEGIN:
                 raise ReplicationProtocolError(f"expected SYNC_BEGIN, got {kind.name}")
