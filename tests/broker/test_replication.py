@@ -23,14 +23,17 @@ from reference_broker.replication import (
     BackupLink,
     Kind,
     LiveReplicationServer,
+    backup_handshake,
     decode_records,
     encode_records,
+    live_handshake,
     read_frame,
     write_frame,
 )
 from reference_broker.store import FencedError, Store
 
 TYPE = 0x40  # any record type: the link never reads what records mean
+SECRET = bytes(range(32))  # the pair secret both ends prove they hold
 _SEQ_BYTES = 8
 
 
@@ -83,6 +86,7 @@ class Live:
             timeout=timeout,
             on_handover=on_handover or no_handover,
             on_eligibility=lambda backup, eligible: self.eligibility.append((backup, eligible)),
+            secret=SECRET,
         )
         self.port = 0
 
@@ -111,7 +115,7 @@ def test_the_backup_is_eligible_only_once_it_holds_what_was_confirmed_during_the
         await live.store.persist([(TYPE, b"c" * 100_000) for _ in range(40)])
         await live.start()
         reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
-        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        await backup_handshake(reader, writer, node_id="backup", secret=SECRET, timeout=5)
         kind, payload = await next_frame(reader)
         assert kind is Kind.SYNC_BEGIN
         upto = json.loads(payload)["upto"]
@@ -155,8 +159,7 @@ def test_the_backup_acknowledges_nothing_before_sync_end(tmp_path: Path) -> None
         acks_before_end: list[int] = []
 
         async def scripted_live(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            kind, _ = await next_frame(reader)
-            assert kind is Kind.HELLO
+            await live_handshake(reader, writer, node_id="live", secret=SECRET, timeout=5)
             begin = {"live": "live", "activation": 1, "upto": 3}
             write_frame(writer, Kind.SYNC_BEGIN, json.dumps(begin).encode())
             write_frame(
@@ -192,6 +195,7 @@ def test_the_backup_acknowledges_nothing_before_sync_end(tmp_path: Path) -> None
             timeout=2.0,
             open_store=open_store,
             on_synchronized=lambda live, activation: None,
+            secret=SECRET,
         )
         with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
             await asyncio.wait_for(link.follow("127.0.0.1", port), 10)
@@ -208,7 +212,7 @@ def test_the_backup_acknowledges_nothing_before_sync_end(tmp_path: Path) -> None
 async def synchronized_backup(live: Live) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A scripted backup that copied the live's journal and is eligible."""
     reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
-    write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+    await backup_handshake(reader, writer, node_id="backup", secret=SECRET, timeout=5)
     while (await next_frame(reader))[0] is not Kind.SYNC_END:
         pass
     ack(writer, live.store.local_seq)
@@ -285,7 +289,7 @@ def test_a_hand_over_the_backup_never_acknowledges_gives_up_in_time(tmp_path: Pa
 def test_a_hand_over_request_fails_when_the_link_ends(tmp_path: Path) -> None:
     async def main() -> None:
         async def scripted_live(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await next_frame(reader)  # HELLO
+            await live_handshake(reader, writer, node_id="live", secret=SECRET, timeout=5)
             begin = {"live": "live", "activation": 1, "upto": 0}
             write_frame(writer, Kind.SYNC_BEGIN, json.dumps(begin).encode())
             write_frame(writer, Kind.SYNC_END, (0).to_bytes(_SEQ_BYTES, "little"))
@@ -305,6 +309,7 @@ def test_a_hand_over_request_fails_when_the_link_ends(tmp_path: Path) -> None:
             timeout=2.0,
             open_store=open_store,
             on_synchronized=lambda live, activation: None,
+            secret=SECRET,
         )
         follower = asyncio.ensure_future(
             link.follow("127.0.0.1", server.sockets[0].getsockname()[1])
@@ -338,7 +343,7 @@ def test_the_initial_copy_reads_the_journal_once(tmp_path: Path) -> None:
         live.journal.records_after = counted  # type: ignore[method-assign]
         await live.start()
         reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
-        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        await backup_handshake(reader, writer, node_id="backup", secret=SECRET, timeout=5)
         copied: list[int] = []
         while True:
             kind, payload = await next_frame(reader)
@@ -360,8 +365,8 @@ def test_a_backup_that_stops_reading_during_the_copy_is_dropped_in_time(tmp_path
         live = Live(tmp_path / "live", timeout=0.2)
         await live.store.persist([(TYPE, b"c" * 100_000) for _ in range(200)])
         await live.start()
-        _, writer = await asyncio.open_connection("127.0.0.1", live.port)
-        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+        await backup_handshake(reader, writer, node_id="backup", secret=SECRET, timeout=5)
         started = asyncio.get_running_loop().time()
         # Read nothing: the live's copy waits for the socket to drain, then gives up.
         await until(lambda: live.store.replica is None and live.eligibility != [], timeout=10)
@@ -388,7 +393,7 @@ def test_a_backlog_past_its_bound_abandons_the_copy(
         journal_busy = threading.Event()
         held = asyncio.ensure_future(live.store.run(journal_busy.wait))  # the copy waits
         reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
-        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        await backup_handshake(reader, writer, node_id="backup", secret=SECRET, timeout=5)
         assert (await next_frame(reader))[0] is Kind.SYNC_BEGIN
         backlog = live.store.persist([(TYPE, b"b" * 1000) for _ in range(20)])  # 20 kB
         await asyncio.sleep(0.05)  # its write is queued behind the copy's first read
@@ -424,14 +429,14 @@ def test_a_second_backup_connection_never_shares_the_sync_state_of_the_first(
         await live.start()
         journal_busy = threading.Event()
         held = asyncio.ensure_future(live.store.run(journal_busy.wait))  # the copy waits
-        _, first_writer = await asyncio.open_connection("127.0.0.1", live.port)
-        write_frame(first_writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        first_reader, first_writer = await asyncio.open_connection("127.0.0.1", live.port)
+        await backup_handshake(first_reader, first_writer, node_id="b", secret=SECRET, timeout=5)
         await until(lambda: live.store.replica is not None)
         server_side = live.server._writer  # the first link's end on the live
         assert server_side is not None
         server_side.close()  # closing, while its task still waits for the journal
         reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
-        write_frame(writer, Kind.HELLO, json.dumps({"node_id": "backup"}).encode())
+        await backup_handshake(reader, writer, node_id="backup", secret=SECRET, timeout=5)
         try:
             with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
                 await next_frame(reader)  # refused
