@@ -154,6 +154,8 @@ class ConfirmedProducer(Client):
         self.next_seq = first
         self.attempted: set[int] = set()
         self.confirmed: list[tuple[float, int]] = []  # (when, seq)
+        # (when, the broker connected to right after the confirmation): who confirmed it
+        self.confirmed_by: list[tuple[float, str]] = []
 
     def work(self, connection: hafailover.Connection) -> None:
         producer = connection.create_session(AckMode.AUTO).create_producer(self.queue)
@@ -170,13 +172,20 @@ class ConfirmedProducer(Client):
                     self._handled(exc)
                     continue
                 break
+            at = time.monotonic()
             with self.lock:
-                self.confirmed.append((time.monotonic(), seq))
+                self.confirmed.append((at, seq))
+                self.confirmed_by.append((at, connection.broker or ""))
             time.sleep(0.005)
 
     def confirmed_seqs(self) -> list[int]:
         with self.lock:
             return [seq for _, seq in self.confirmed]
+
+    def confirmations_from(self, address: str) -> list[float]:
+        """When sends were confirmed while connected to the node at ``address``."""
+        with self.lock:
+            return [at for at, broker in self.confirmed_by if f"@{address}:" in broker]
 
     def confirmed_between(self, start: float, end: float) -> list[int]:
         with self.lock:
@@ -307,7 +316,10 @@ class Verdict:
 def drain(netns: str, url: str, queue: str, *, idle: float = 1.0) -> list[int]:
     """Every seq still on ``queue``, consumed through a fresh connection in ``netns``."""
     received: list[int] = []
-    with entered(netns), hafailover.connect(with_options(url)) as connection:
+    # After a takeover the first broker of the URL may be the fenced one (F12: a first
+    # connection tries further brokers only as initial_connect_attempts allows).
+    url = with_options(url, initial_connect_attempts=4)
+    with entered(netns), hafailover.connect(url) as connection:
         session = connection.create_session(AckMode.DUPS_OK)
         consumer = session.create_consumer(queue, prefetch=500)
         connection.start()

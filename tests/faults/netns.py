@@ -60,8 +60,10 @@ __all__ = [
     "NetnsError",
     "NetnsThread",
     "Network",
+    "cut_directory",
     "entered",
     "missing_tools",
+    "restore_directory",
     "sweep",
 ]
 
@@ -253,6 +255,29 @@ class Network:
     def rules(self, name: str) -> str:
         """The fault rules in force in ``name``'s namespace (for messages)."""
         return self._iptables(self[name], "-S", CHAIN)
+
+
+# --- a directory lost to one process ------------------------------------------------------------
+
+
+def cut_directory(pid: int, path: str) -> None:
+    """Make ``path`` read-only for process ``pid`` alone: a bind mount of it onto itself,
+    remounted read-only, in that process's mount namespace (``ip netns exec`` gives every
+    node one of its own, whose mounts do not propagate back). Its writes then fail with
+    EROFS, as a shared disk that went away fails them; every other process still writes."""
+    _run(
+        "nsenter", "-t", str(pid), "-m", "--", "sh", "-c",
+        f"mount --bind '{path}' '{path}' && mount -o remount,bind,ro '{path}'",
+    )  # fmt: skip
+    own = _run("nsenter", "-t", str(pid), "-m", "--", "cat", "/proc/self/mounts")
+    host = _run("cat", "/proc/self/mounts")
+    if f" {path} " not in own or f" {path} " in host:
+        raise NetnsError(f"the read-only mount of {path} is not private to process {pid}")
+
+
+def restore_directory(pid: int, path: str) -> None:
+    """Undo ``cut_directory``."""
+    _run("nsenter", "-t", str(pid), "-m", "--", "umount", path)
 
 
 # --- threads inside a namespace ----------------------------------------------------------------

@@ -26,7 +26,7 @@ from .clients import (
     with_options,
 )
 from .conftest import HEARTBEAT_TIMEOUT
-from .netns import NetnsThread, Network
+from .netns import NetnsThread, Network, cut_directory, restore_directory
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -244,3 +244,66 @@ def test_live_backup_partition(fault_pair: BrokerPair, network: Network, protoco
     print(f"the live went on alone {declared:.2f}s after the partition")
     assert declared <= 2 * HEARTBEAT_TIMEOUT + 1.0
     assert fault_pair.live is live
+
+
+def test_live_cut_off_from_everyone_and_the_witness(
+    fault_pair: BrokerPair, network: Network, protocol: str
+) -> None:
+    """c. The live loses the backup, every client and the pair directory (its writes there
+    fail, as a shared disk that went away fails them): it cannot renew its lease and fences
+    itself; the backup takes over once the lease ran out. The old live's last confirmation
+    comes before the backup's first; the clients fail over; after healing the old live
+    rejoins as backup and resynchronizes; nothing is lost or doubled."""
+    live, backup = fault_pair.live, fault_pair.backup
+    with Run(fault_pair, network, protocol, "live-cut-off-witness") as run:
+        fault_at = time.monotonic()
+        cut_directory(live.pid, str(fault_pair.pair_dir))
+        network.isolate("live")
+        try:
+            wait_until(lambda: backup.role == "live", 15, "the backup to take over")
+            took_over_at = time.monotonic()
+            run.progress_after(took_over_at)
+        finally:
+            network.heal()
+            restore_directory(live.pid, str(fault_pair.pair_dir))
+        heal_at = time.monotonic()
+        wait_until(lambda: live.role in ("backup", "live"), 30, "the old live to rejoin")
+        fault_pair.wait_synchronized(30)
+        run.progress_after(heal_at)
+        run.finish()
+    producer = run.producer
+    from_old = [at for at in producer.confirmations_from(live.host) if at < heal_at]
+    from_new = producer.confirmations_from(backup.host)
+    assert from_new, "the backup confirmed nothing"
+    assert max(from_old) < min(from_new), "the old live confirmed after the backup began"
+    print(
+        f"takeover {took_over_at - fault_at:.2f}s after the cut; last confirmation by the old "
+        f"live {max(from_old) - fault_at:.2f}s, first by the backup {min(from_new) - fault_at:.2f}s"
+    )
+    for client in (producer, run.consumer):
+        assert "FAILOVER" in client.codes(fault_at), client.events
+
+
+def test_live_loses_backup_and_witness_but_not_clients(
+    fault_pair: BrokerPair, network: Network, protocol: str
+) -> None:
+    """b with the witness lost too: the live loses the backup and the pair directory, the
+    clients still reach it. It cannot record the backup's lost eligibility, so it must not go
+    on alone: it confirms nothing more (sends wait for the backup's acknowledgement) until its
+    lease, which it can no longer renew, runs out and it fences itself; the backup, still
+    eligible, takes over with everything that was confirmed. Nothing lost or doubled."""
+    live, backup = fault_pair.live, fault_pair.backup
+    with Run(fault_pair, network, protocol, "live-loses-witness") as run:
+        fault_at = time.monotonic()
+        cut_directory(live.pid, str(fault_pair.pair_dir))
+        network.partition("live", "backup")
+        try:
+            wait_until(lambda: backup.role == "live", 15, "the backup to take over")
+            run.progress_after(time.monotonic())
+        finally:
+            network.heal()
+            restore_directory(live.pid, str(fault_pair.pair_dir))
+        run.finish()
+    late = [at - fault_at for at in run.producer.confirmations_from(live.host) if at > fault_at]
+    # A confirmation already on its way when the link broke may arrive a moment later.
+    assert all(t < 0.3 for t in late), f"the old live confirmed alone: {late}"
