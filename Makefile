@@ -5,13 +5,15 @@
 # themselves, never part of make test (docs/testing.md):
 #   make test-deep  the property tests of core, driver and aio with ten times the examples
 #   make mutate     mutation testing of the pure core against tests/core
+# and one longer run of the randomized fault schedule (docs/reliability.md):
+#   make chaos      tests/faults/test_nemesis.py for 10 minutes per protocol
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMPS := .stamps
 
-.PHONY: demo test lint typecheck pytest venv bench clean test-deep mutate
+.PHONY: demo test lint typecheck pytest venv bench clean test-deep mutate fault-tools chaos
 
 demo: $(STAMPS)/venv
 	$(VENV)/bin/hafailover demo
@@ -38,8 +40,29 @@ lint: $(STAMPS)/venv
 typecheck: $(STAMPS)/venv
 	$(VENV)/bin/mypy
 
-pytest: $(STAMPS)/venv
+pytest: $(STAMPS)/venv fault-tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The network-fault tests (tests/faults) need iproute2 (ip, nsenter is util-linux) and
+# iptables; as root they are installed from Debian when missing (non-interactive, safe to
+# run twice, as scripts/rabbitmq.sh installs rabbitmq-server). Without root the tests skip
+# with the reason, except in CI, where they fail.
+FAULT_APT := DEBIAN_FRONTEND=noninteractive timeout 900 apt-get -y -q \
+	-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold
+fault-tools:
+	@if ! command -v ip >/dev/null || ! command -v iptables >/dev/null; then \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "fault-tools: iproute2/iptables missing and not root: tests/faults will not run"; \
+		else \
+			$(FAULT_APT) install iproute2 iptables </dev/null || \
+			{ $(FAULT_APT) update </dev/null && $(FAULT_APT) install iproute2 iptables </dev/null; }; \
+		fi; \
+	fi
+
+# HAFAILOVER_CHAOS_SEED=N replays a schedule; HAFAILOVER_CHAOS_DURATION sets its length.
+chaos: $(STAMPS)/venv fault-tools
+	HAFAILOVER_CHAOS_DURATION=$${HAFAILOVER_CHAOS_DURATION:-600} \
+		$(PY) -m pytest -q -s -p no:cacheprovider tests/faults/test_nemesis.py $(PYTEST_ARGS)
 
 # The same tests under the "deep" Hypothesis profile of tests/conftest.py.
 test-deep: $(STAMPS)/venv

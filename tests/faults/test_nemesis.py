@@ -1,0 +1,90 @@
+"""The randomized fault schedule (nemesis.py) against a transacted producer, a confirmed
+producer and a CLIENT-acknowledge consumer with duplicate suppression, per protocol.
+
+HAFAILOVER_CHAOS_DURATION seconds of faults (30 by default; ``make chaos`` runs 600) from
+HAFAILOVER_CHAOS_SEED (a fresh seed when unset). The seed and the schedule are printed first:
+``HAFAILOVER_CHAOS_SEED=N make chaos`` (or pytest on this file) replays the same schedule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import time
+
+import pytest
+
+from reference_broker import BrokerPair
+
+from .clients import AckConsumer, ConfirmedProducer, TransactedProducer, check, drain
+from .nemesis import FAULTS, Nemesis, schedule
+from .netns import Network
+from .test_network_faults import url_for, wait_until
+
+DURATION = float(os.environ.get("HAFAILOVER_CHAOS_DURATION", "30"))
+SEED = int(os.environ.get("HAFAILOVER_CHAOS_SEED") or secrets.randbelow(2**32))
+
+pytestmark = pytest.mark.timeout(int(DURATION * 2 + 240))
+
+
+def test_schedule_is_the_seed_s() -> None:
+    assert schedule(7, 600) == schedule(7, 600)
+    assert schedule(7, 600) != schedule(8, 600)
+    steps = schedule(7, 600)
+    assert {s.fault for s in steps} == set(FAULTS)
+    assert all(a.at + a.hold < b.at for a, b in itertools.pairwise(steps))
+    assert steps[-1].at + steps[-1].hold <= 600
+    with pytest.raises(ValueError, match="duration"):
+        schedule(7, 0)
+
+
+def test_nemesis(fault_pair: BrokerPair, network: Network, protocol: str) -> None:
+    network.add("c2")
+    steps = schedule(SEED, DURATION)
+    print(
+        f"\nchaos [{protocol}] seed {SEED}, {DURATION:.0f}s: replay with "
+        f"HAFAILOVER_CHAOS_SEED={SEED} HAFAILOVER_CHAOS_DURATION={DURATION:.0f}"
+    )
+    for step in steps:
+        print(f"  {step}")
+    url = url_for(fault_pair, protocol)
+    base = fault_pair.stomp_url if protocol == "stomp" else fault_pair.amqp_url
+    queue = f"queue://chaos-{protocol}"
+    transacted = TransactedProducer("transacted", network["c0"].netns, url, queue)
+    confirmed = ConfirmedProducer("confirmed", network["c2"].netns, url, queue, first=10**8)
+    consumer = AckConsumer("consumer", network["c1"].netns, url, queue)
+    clients = [transacted, confirmed, consumer]
+    for client in clients:
+        client.start()
+    started = time.monotonic()
+    nemesis = Nemesis(fault_pair, network, ["c0", "c1", "c2"])
+    try:
+        wait_until(lambda: len(consumer.acknowledged) >= 20, 30, "the first traffic")
+        nemesis.run(steps, started)
+        # Everyone makes progress after the last heal.
+        after = time.monotonic()
+        acknowledged = len(consumer.acknowledged)
+        wait_until(
+            lambda: (
+                transacted.confirmed_between(after, float("inf"))
+                and confirmed.confirmed_between(after, float("inf"))
+                and len(consumer.acknowledged) > acknowledged
+            ),
+            30,
+            "progress after the last fault",
+        )
+    finally:
+        for client in clients:
+            client.stop.set()
+    for client in clients:
+        client.join(60)
+    verdict = check([transacted, confirmed], [consumer], drain(network["c1"].netns, base, queue))
+    stall = max(c.longest_call for c in clients)
+    print(
+        f"chaos [{protocol}] seed {SEED}: {len(steps)} faults in "
+        f"{time.monotonic() - started:.0f}s; {verdict.line()} suppressed="
+        f"{consumer.suppressed} longest stall={stall:.2f}s failovers "
+        + " ".join(f"{c.name}={c.failovers}" for c in clients)
+    )
+    verdict.assert_clean()
