@@ -131,6 +131,10 @@ def test_client_to_live_black_hole(fault_pair: BrokerPair, network: Network, pro
         assert client.codes(fault_at)[:1] == ["FAILOVER"], client.events
     # Nothing was confirmed while the live was unreachable: the backup never served.
     assert producer.confirmed_between(fault_at + 0.5, heal_at) == []
+    # The send waiting for its confirmation when the live went silent, and every send made
+    # while failing over, was released after call_failover_timeout.
+    assert any(e.code == "CONNECTION_TIMEDOUT" for e in producer.raised), producer.raised
+    assert producer.longest_call <= CALL_FAILOVER_TIMEOUT + 1.0, producer.longest_call
 
 
 @pytest.mark.parametrize("direction", ["to-live", "from-live"])

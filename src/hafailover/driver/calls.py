@@ -100,12 +100,17 @@ class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and haf
 
 class CallClock:
     """A call's timeout, counting only time the connection is up: failing over does not
-    count (F1). Waits go in slices of at most half a second, so a change of state shows."""
+    count (F1). Time spent failing over counts against ``failover_budget`` instead
+    (call_failover_timeout; None: no limit), as it does for a call not yet admitted. Waits
+    go in slices of at most half a second, so a change of state shows."""
 
-    __slots__ = ("_last", "_machine", "left")
+    __slots__ = ("_last", "_machine", "failover_left", "left")
 
-    def __init__(self, budget: float, machine: FailoverMachine) -> None:
+    def __init__(
+        self, budget: float, machine: FailoverMachine, failover_budget: float | None = None
+    ) -> None:
         self.left = budget
+        self.failover_left = failover_budget
         self._machine = machine
         self._last = time.monotonic()
 
@@ -114,14 +119,22 @@ class CallClock:
         return self.left <= 0
 
     @property
+    def failover_expired(self) -> bool:
+        return self.failover_left is not None and self.failover_left <= 0
+
+    @property
     def slice(self) -> float:
-        return min(self.left, 0.5)
+        if self.failover_left is None:
+            return min(self.left, 0.5)
+        return max(0.0, min(self.left, self.failover_left, 0.5))
 
     def tick(self) -> None:
-        """A slice was waited: count it if the connection was up."""
+        """A slice was waited: count it against the budget of the state it was waited in."""
         now = time.monotonic()
         if self._machine.admit()[0] is Admission.PROCEED:
             self.left -= now - self._last
+        elif self.failover_left is not None:
+            self.failover_left -= now - self._last
         self._last = now
 
 
@@ -272,13 +285,24 @@ class Calls:
         self, done: Callable[[], bool], timeout: float | None, timed_out: Callable[[], str]
     ) -> None:
         """Wait until ``done()`` for the broker's answers, asking for a receipt where one
-        is missing; time spent failing over does not count against the timeout (F1)."""
-        clock = CallClock(self.policy.call_timeout if timeout is None else timeout, self._machine)
+        is missing; time spent failing over does not count against the timeout (F1), but
+        against call_failover_timeout when it is set: a call already written when the
+        connection was lost waits no longer for it to come back than a call not yet made."""
+        clock = CallClock(
+            self.policy.call_timeout if timeout is None else timeout,
+            self._machine,
+            self.policy.call_failover_timeout,
+        )
         with self._cond:
             while not done():
                 self._ask_for_receipt()
                 if clock.expired:
                     raise CallTimeoutError(timed_out())
+                if clock.failover_expired:
+                    raise CallTimeoutError(
+                        f"the connection did not come back within call_failover_timeout "
+                        f"({self.policy.call_failover_timeout}s)"
+                    )
                 self._cond.wait(clock.slice)
                 clock.tick()
 
