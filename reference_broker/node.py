@@ -454,31 +454,37 @@ class Node:
 
     def write_status(self, **extra: Any) -> None:
         config = self.config
+        path = config.data_dir / "status.json"
+        status = self._status(config, extra)
         try:
-            self._write_status(config, extra)
+            _write_json(path, status)
         except OSError as exc:
-            # A full disk must not take the node down: the status is for harnesses only.
-            log.warning("cannot write status.json: %s", exc)
+            # A full disk must not take the node down, nor leave a stale status behind: write
+            # over the old file's blocks (a reader may see it torn for a moment), or remove it.
+            log.warning("cannot replace status.json (%s): writing it in place", exc)
+            try:
+                _overwrite(path, json.dumps(status).encode())
+            except OSError:
+                log.exception("cannot write status.json: removing the stale one")
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
-    def _write_status(self, config: NodeConfig, extra: dict[str, Any]) -> None:
-        _write_json(
-            config.data_dir / "status.json",
-            {
-                "node_id": config.node_id,
-                "role": self.role,
-                "pid": os.getpid(),
-                "host": config.host,
-                "stomp_port": config.stomp_port,
-                "amqp_port": config.amqp_port,
-                "replication_port": config.replication_port,
-                "activation": self.activation,
-                "synchronized": self.synchronized,
-                "degraded": self.degraded,
-                "time": time.time(),
-                **self._lease_figures(),
-                **extra,
-            },
-        )
+    def _status(self, config: NodeConfig, extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "node_id": config.node_id,
+            "role": self.role,
+            "pid": os.getpid(),
+            "host": config.host,
+            "stomp_port": config.stomp_port,
+            "amqp_port": config.amqp_port,
+            "replication_port": config.replication_port,
+            "activation": self.activation,
+            "synchronized": self.synchronized,
+            "degraded": self.degraded,
+            "time": time.time(),
+            **self._lease_figures(),
+            **extra,
+        }
 
     def _lease_figures(self) -> dict[str, Any]:
         keeper = self._keeper
@@ -1054,6 +1060,19 @@ def _sync_policy(name: str) -> SyncPolicy:
 
 def _write_json(path: Path, value: dict[str, Any], *, durable: bool = False) -> None:
     replace_atomically(path, json.dumps(value).encode(), durable=durable)
+
+
+def _overwrite(path: Path, data: bytes) -> None:
+    """Write ``data`` over the start of an existing file, then cut it to that length: on a
+    full disk the file's own blocks still hold it (a new file would need new ones)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -178,6 +178,7 @@ class Outcome:
 
 
 def stop_all(*threads: ConfirmedProducer | AckingConsumer, timeout: float = 30.0) -> None:
+    threads = tuple(thread for thread in threads if thread.ident is not None)  # started ones
     for thread in threads:
         thread.stop.set()
     for thread in threads:

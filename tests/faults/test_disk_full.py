@@ -1,0 +1,210 @@
+"""Issue 18, scenario f: a full disk under the live's or the backup's journal.
+
+Each node's data directory can be a small tmpfs, filled during traffic by a DiskHog that
+keeps it full until released. What must hold:
+
+- the live's disk full: persistent sends are refused with an error that names the cause
+  (STOMP ERROR, AMQP rejected), which the client raises as an exception; consumers still
+  receive and acknowledge (an acknowledge writes a record: the journal keeps a reserve for
+  them); nothing confirmed is lost; sends are confirmed again once space returns;
+- the backup's disk full: the backup acknowledges nothing it could not store, so the live
+  declares it lost (degraded, not eligible) rather than count it as a copy: killing the live
+  then must not let the backup take over with less than was confirmed;
+- compaction that finds no room is postponed and retried with a growing pause, never
+  given up: it runs once space returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reference_broker import BrokerPair
+from reference_broker.engine import DiskFullError, Engine
+from reference_broker.journal import Journal, SyncPolicy
+from reference_broker.node import Checkpointer
+from reference_broker.store import Store
+from tests.integration.support import url_for, wait_until
+
+from .disk import DiskHog, small_disk
+from .traffic import AckingConsumer, ConfirmedProducer, check, stop_all
+
+pytestmark = pytest.mark.timeout(120)
+
+SEGMENT = 256 * 1024
+DISK = 4 * 1024 * 1024
+BODY = b"x" * 2048
+
+
+@pytest.fixture(params=["stomp", "amqp"])
+def protocol(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def small_pair(tmp_path: Path, node: int) -> Iterator[BrokerPair]:
+    pair = BrokerPair(tmp_path / "pair", user="app", password="secret", segment_size=SEGMENT)
+    with small_disk(pair.nodes[node].data_dir, DISK), pair:
+        pair.wait_synchronized(30)
+        yield pair
+
+
+@pytest.fixture
+def live_disk_pair(tmp_path: Path) -> Iterator[BrokerPair]:
+    yield from small_pair(tmp_path, 0)
+
+
+@pytest.fixture
+def backup_disk_pair(tmp_path: Path) -> Iterator[BrokerPair]:
+    yield from small_pair(tmp_path, 1)
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
+    live_disk_pair: BrokerPair, protocol: str
+) -> None:
+    pair = live_disk_pair
+    queue = "queue://disk-full-live"
+    url = url_for(pair, protocol, reconnect_attempts=-1)
+    producer = ConfirmedProducer(url, queue, body=BODY)
+    consumer = AckingConsumer(url, queue)
+    hog = DiskHog(pair.live.data_dir)
+    producer.start()
+    try:
+        # A backlog for the consumer to work through while the disk is full.
+        wait_until(lambda: len(producer.confirmed) >= 200, 30, "a backlog")
+        hog.start()
+        full_at = time.monotonic()
+        wait_until(lambda: producer.refusals, 20, "a send refused for the full disk")
+        refused_at = producer.refusals[0][0]
+        confirmed_when_refused = len(producer.confirmed)
+        consumer.start()
+        wait_until(lambda: len(consumer.acknowledged) >= 100, 20, "acknowledges on a full disk")
+        # Still full: nothing more was confirmed, every refusal says why.
+        assert len(producer.confirmed) == confirmed_when_refused
+        reasons = {f"{type(error).__name__}: {error}" for _, error in producer.refusals}
+        assert all("disk is full" in reason for reason in reasons), reasons
+        assert pair.live is pair.nodes[0], "the live gave up its role over a full disk"
+        hog.release()
+        freed_at = time.monotonic()
+        wait_until(lambda: len(producer.confirmed) > confirmed_when_refused + 50, 20, "sends again")
+        resumed = producer.confirmed_at[confirmed_when_refused] - freed_at
+    finally:
+        hog.release()
+        stop_all(producer, consumer)
+    outcome = check(url, queue, producer, consumer)
+    print(
+        "\n"
+        + outcome.line("live's disk full", protocol)
+        + f" refusals={len(producer.refusals)} first refusal {refused_at - full_at:.2f}s"
+        f" after the disk filled, sends confirmed {resumed:.2f}s after space returned;"
+        f" the refusal: {next(iter(reasons))}"
+    )
+    outcome.assert_clean()
+
+
+def test_a_full_disk_on_the_backup_is_never_counted_as_a_copy(
+    backup_disk_pair: BrokerPair, protocol: str
+) -> None:
+    pair = backup_disk_pair
+    live, backup = pair.nodes
+    queue = "queue://disk-full-backup"
+    url = url_for(pair, protocol, reconnect_attempts=-1)
+    producer = ConfirmedProducer(url, queue, body=BODY)
+    hog = DiskHog(backup.data_dir)
+    producer.start()
+    try:
+        wait_until(lambda: len(producer.confirmed) >= 50, 30, "the first traffic")
+        hog.start()
+        # The backup fails to store a batch, acknowledges nothing more, and the live declares
+        # it lost before it confirms anything without it.
+        wait_until(lambda: live.status().get("degraded"), 30, "the live to drop its backup")
+        confirmed_alone = len(producer.confirmed)
+        wait_until(lambda: len(producer.confirmed) > confirmed_alone + 50, 20, "degraded sends")
+        assert not backup.status().get("synchronized")
+        # What only the live holds must not be lost to a takeover by the backup.
+        pair.kill(live)
+        time.sleep(3 * pair.lease)
+        # Asked twice: by its status, and by whether it listens for clients (a live does).
+        assert backup.role == "backup", "a backup that could not store took over"
+        assert not listening(pair.host, backup.stomp_port), "the backup serves clients"
+        hog.release()
+        pair.restart(live)
+        assert pair.wait_active(20) is live
+        pair.wait_synchronized(30)
+        confirmed = len(producer.confirmed)
+        wait_until(lambda: len(producer.confirmed) > confirmed + 50, 20, "sends after resync")
+    finally:
+        hog.release()
+        stop_all(producer)
+    outcome = check(url, queue, producer)
+    print("\n" + outcome.line("backup's disk full, then the live killed", protocol))
+    outcome.assert_clean()
+
+
+def test_a_checkpoint_with_no_room_is_retried_until_space_returns(tmp_path: Path) -> None:
+    """Compaction on a full disk is postponed and tried again with a growing pause, never
+    stopped for good; once space returns a checkpoint is taken and old segments deleted."""
+    directory = tmp_path / "disk"
+    with small_disk(directory, 2 * 1024 * 1024):
+        asyncio.run(_checkpoint_retried(directory))
+
+
+async def _checkpoint_retried(directory: Path) -> None:
+    journal = Journal.open(directory / "journal", sync=SyncPolicy.never(), segment_size=64 * 1024)
+    store = Store(journal)
+    engine = Engine()
+    store.on_space = engine.refuse_persistent_sends
+    checkpointer = Checkpointer(engine, store, segments=1, ratio=0.0, max_backoff=0.5)
+    # Enough segments for a checkpoint to be due.
+    for n in range(200):
+        engine.send("queue://kept", b"k" * 1024, persistent=True, duplicate_id=f"id-{n}")
+        await store.persist([r.encode() for r in engine.drain_records()])
+    hog = DiskHog(directory)
+    hog.start()
+    task = asyncio.get_running_loop().create_task(checkpointer.run())
+    try:
+        deadline = time.monotonic() + 10
+        while checkpointer.failures < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert checkpointer.failures >= 3, "compaction was not retried"
+        assert checkpointer.count == 0
+        assert "no room" in str(checkpointer.last_failure)
+        # Sends fill the active segment down to its reserve; then they are refused, and the
+        # store itself does not fail.
+        refusal: DiskFullError | None = None
+        for _ in range(100):
+            try:
+                engine.send("queue://kept", b"r" * 1024, persistent=True)
+            except DiskFullError as exc:
+                refusal = exc
+                break
+            await store.persist([r.encode() for r in engine.drain_records()])
+        assert refusal is not None and "disk is full" in str(refusal), "no send was refused"
+        assert not store.failed
+        segments_before = len(journal.segments)
+        hog.release()
+        deadline = time.monotonic() + 10
+        while checkpointer.count == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert checkpointer.count == 1, f"no checkpoint after space returned: {checkpointer}"
+        assert checkpointer.failures == 0
+        assert len(journal.segments) < segments_before
+        assert engine.refusing_persistent_sends is None
+        engine.send("queue://kept", b"accepted again", persistent=True)
+    finally:
+        hog.release()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await store.close()
