@@ -261,11 +261,13 @@ class Checkpointer:
         """
         store = self.store
         journal = store.journal
-        delay = _CHECKPOINT_CHECK_INTERVAL
+        loop = asyncio.get_running_loop()
+        next_try = 0.0
         while True:
-            await asyncio.sleep(delay)
-            delay = _CHECKPOINT_CHECK_INTERVAL
-            await store.check_space()
+            await asyncio.sleep(_CHECKPOINT_CHECK_INTERVAL)
+            await store.check_space()  # every time: a pause of compaction is not one of sends
+            if loop.time() < next_try:
+                continue
             segments = await store.run(lambda: journal.segments)
             if not self.due(segments):
                 continue
@@ -273,7 +275,9 @@ class Checkpointer:
             # by the last.
             needed = int(1.5 * self.estimate()) if self.count else sum(s.size for s in segments)
             if not await store.has_room(needed):
-                delay = self._failed(f"postponed: no room on the disk for {needed} bytes")
+                next_try = loop.time() + self._failed(
+                    f"postponed: no room on the disk for {needed} bytes"
+                )
                 continue
             try:
                 await self.checkpoint()
@@ -281,7 +285,7 @@ class Checkpointer:
                 return  # the node stops serving: it confirms nothing more
             except Exception as exc:  # reported, and tried again
                 log.exception("checkpoint or compaction failed")
-                delay = self._failed(f"{type(exc).__name__}: {exc}")
+                next_try = loop.time() + self._failed(f"{type(exc).__name__}: {exc}")
             else:
                 if self.failures:
                     log.warning("checkpoint %d taken after %d failures", self.count, self.failures)
