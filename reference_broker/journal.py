@@ -87,7 +87,12 @@ from typing import Any, BinaryIO, ClassVar, NamedTuple, Self
 
 import attrs
 
-from reference_broker._files import sync_directory
+from reference_broker._files import (
+    PRIVATE_DIRECTORY,
+    PRIVATE_FILE,
+    private_opener,
+    sync_directory,
+)
 
 __all__ = [
     "DEFAULT_SEGMENT_SIZE",
@@ -477,7 +482,7 @@ def _preallocate(fd: int, size: int) -> None:
 
 
 def _lock_directory(directory: Path) -> int:
-    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
@@ -499,7 +504,7 @@ def _aside_path(path: Path) -> Path:
 
 
 def _write_file(path: Path, data: bytes, *, durable: bool) -> None:
-    with path.open("xb") as file:
+    with open(path, "xb", opener=private_opener) as file:
         file.write(data)
         file.flush()
         if durable:
@@ -573,7 +578,7 @@ class Journal:
             raise JournalUsageError(f"segment_size {segment_size} is too small")
         path = Path(directory)
         if not path.is_dir():
-            path.mkdir(parents=True)
+            path.mkdir(mode=PRIVATE_DIRECTORY, parents=True)
             if sync.durable:
                 sync_directory(path.parent)  # or a crash can lose the new directory itself
         lock_fd = _lock_directory(path)
@@ -1007,7 +1012,7 @@ def _create_segment(
     if path.exists():
         raise FileExistsError(f"{path} exists already")
     temp = path.with_name(path.name + ".tmp")
-    file = open(temp, "x+b", buffering=_WRITE_BUFFER)  # noqa: SIM115 - kept open
+    file = open(temp, "x+b", buffering=_WRITE_BUFFER, opener=private_opener)  # noqa: SIM115
     try:
         file.write(_segment_header(number, prev_seq))
         file.flush()

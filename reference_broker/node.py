@@ -64,7 +64,7 @@ from typing import Any
 
 import attrs
 
-from reference_broker._files import replace_atomically
+from reference_broker._files import PRIVATE_DIRECTORY, replace_atomically
 from reference_broker.amqp.server import AmqpConnection
 from reference_broker.core import BrokerCore, ServeConfig
 from reference_broker.engine import Engine, EngineConfig
@@ -437,8 +437,11 @@ class Node:
         self.eligible: tuple[str, int] | None = None  # (live, activation) of a synced journal
         self._backup_store: Store | None = None
         self._keeper: LeaseKeeper | None = None
-        config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        config.pair_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for directory in (config.data_dir, config.pair_dir):
+            # Journals, leases and the pair secret: for this node's user alone, even in a
+            # directory made before (mkdir's mode applies only to a new one).
+            directory.mkdir(mode=PRIVATE_DIRECTORY, parents=True, exist_ok=True)
+            directory.chmod(PRIVATE_DIRECTORY)
         self.pair_secret = load_pair_secret(config.pair_dir, config.pair_secret_file)
 
     # --- persistent identity ---------------------------------------------------------------

@@ -68,7 +68,7 @@ from typing import Any, ClassVar, Literal
 
 import attrs
 
-from reference_broker._files import sync_directory
+from reference_broker._files import PRIVATE_FILE, sync_directory
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -916,7 +916,7 @@ class Witness:
 
     def _write_temp(self, final: str, data: bytes) -> Path:
         temp = self._temp_path(final)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
         try:
             view = memoryview(data)
             while view:
@@ -959,7 +959,8 @@ class Witness:
         # After the first claim exists: a crash in between leaves a claim without marker
         # (healed later), never a marker without claim.
         try:
-            fd = os.open(self.marker_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            fd = os.open(self.marker_path, flags, PRIVATE_FILE)
         except FileExistsError:
             return
         try:
