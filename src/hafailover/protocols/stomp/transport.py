@@ -285,6 +285,7 @@ class StompTransport:
             [(broker.host, broker.port)],
             heartbeats=(ms, ms),
             reconnect_attempts_max=1,
+            reconnect_sleep_initial=0,  # stomp.py slept 0.2 s after a refusal; the schedule waits
             timeout=self.connect_timeout,
             auto_decode=False,
             # The host header names a virtual host on RabbitMQ; "/" is its default one and
