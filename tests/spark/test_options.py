@@ -42,6 +42,8 @@ def test_defaults() -> None:
     assert str(parsed.destination) == "queue://orders"
     assert parsed.delivery_guarantee is DeliveryGuarantee.EXACTLY_ONCE
     assert parsed.sink_id is None and parsed.key_column is None and parsed.commit_log is None
+    assert parsed.positional_ids is False
+    assert options(positional_ids="TRUE").positional_ids is True
 
 
 def test_keys_are_compared_without_case() -> None:
@@ -85,6 +87,7 @@ def test_spark_own_options_are_ignored() -> None:
         ({"sink_id": ""}, 'option "sink_id"'),
         ({"delivery_guarantee": "at_most_once"}, "exactly_once, at_least_once"),
         ({"key_column": " "}, 'option "key_column" is empty'),
+        ({"positional_ids": "yes"}, "option \"positional_ids\" is 'yes'; accepted: true, false"),
         ({"heartbeat": "soon"}, "heartbeat"),
     ],
 )
@@ -160,3 +163,12 @@ def test_bad_columns_are_refused(fields: tuple[tuple[str, object], ...], message
 def test_key_column_option_must_name_a_column() -> None:
     with pytest.raises(ConfigurationError, match="not a column"):
         plan_columns(schema(("body", StringType())), options(key_column="id"))
+
+
+def test_positional_ids_and_a_key_together_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match='"positional_ids" is for rows without a key'):
+        plan_columns(
+            schema(("body", StringType()), ("key", StringType())), options(positional_ids="true")
+        )
+    plan = plan_columns(schema(("body", StringType())), options(positional_ids="true"))
+    assert plan == ColumnPlan(body="body")

@@ -25,7 +25,8 @@ __all__ = ["DeliveryGuarantee", "SinkOptions"]
 
 
 class DeliveryGuarantee(enum.Enum):
-    # Every row carries a duplicate id derived from sink id, batch id and key/position:
+    # Every row carries a duplicate id derived from sink id, batch id and its key, or
+    # without a key from its content (or its position, with positional_ids):
     # a re-run of the same batch (task retry, query restart) is dropped by the broker.
     EXACTLY_ONCE = "exactly_once"
     # No derived id: a task retry or a re-run batch sends its rows again.
@@ -40,6 +41,7 @@ SINK_OPTIONS: Final = (
     "destination",
     "sink_id",
     "key_column",
+    "positional_ids",
     "delivery_guarantee",
     "commit_log",
     "batch_id",
@@ -48,6 +50,7 @@ SINK_OPTIONS: Final = (
 _SPARK_OPTIONS: Final = frozenset({"checkpointlocation", "path", "queryname"})
 # A sink id is one segment of every duplicate id: ':' separates the segments.
 _SINK_ID: Final = re.compile(r"[A-Za-z0-9._\-]{1,100}")
+_BOOLEANS: Final = {"true": True, "false": False}
 
 
 @attrs.frozen
@@ -61,6 +64,9 @@ class SinkOptions:
     destination: Destination | None = None
     sink_id: str | None = None
     key_column: str | None = None
+    # Without a key, number rows by their place in the partition instead of their content:
+    # cheaper, but a retry that sees another order sends a row under another row's id.
+    positional_ids: bool = False
     delivery_guarantee: DeliveryGuarantee = DeliveryGuarantee.EXACTLY_ONCE
     # A file the driver appends one JSON line to per committed or aborted batch.
     commit_log: str | None = None
@@ -134,6 +140,13 @@ class SinkOptions:
         if key_column is not None and not key_column.strip():
             raise ConfigurationError('option "key_column" is empty: name a column or leave it out')
 
+        positional_text = given.get("positional_ids", "false")
+        positional = _BOOLEANS.get(str(positional_text).strip().lower())
+        if positional is None:
+            raise ConfigurationError(
+                f'option "positional_ids" is {positional_text!r}; accepted: true, false'
+            )
+
         return cls(
             url=full_url,
             policy=policy,
@@ -142,6 +155,7 @@ class SinkOptions:
             destination=destination,
             sink_id=sink_id,
             key_column=key_column,
+            positional_ids=positional,
             delivery_guarantee=guarantee,
             commit_log=given.get("commit_log") or None,
             batch_id=batch_id,

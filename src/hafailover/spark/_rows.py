@@ -9,16 +9,23 @@ before any task runs. ``to_messages`` checks one whole record batch before the c
 any row of it, so a null body or a bad destination stops the task with nothing of that
 record batch on the wire.
 
-A row's duplicate id is ``{sink_id}:{batch_id}:k:{key}`` with a key, else
-``{sink_id}:{batch_id}:p{partition}:{position}``: the same row of the same batch gets the
-same id on every task attempt and every re-run of the batch, so the broker stores it once.
-No I/O here.
+A row's duplicate id is ``{sink_id}:{batch_id}:k:{key}`` with a key. Without one it is
+``{sink_id}:{batch_id}:c{partition}:{digest}:{occurrence}``: the digest of what the row is
+(the message it makes: body, properties, destination; ``row_content`` encodes it
+canonically) and how many identical rows came before it in the partition. Identical rows
+make identical messages, so which of them gets which occurrence number does not matter, and
+any order of the same rows gives the same set of ids: a task retry that sees its partition
+in another order (after a shuffle) sends each row under the id it had before. With the
+``positional_ids`` option the id is ``{sink_id}:{batch_id}:p{partition}:{position}``,
+cheaper but only right if a retry sees the same order. No I/O here.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import math
+import struct
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import attrs
@@ -43,7 +50,7 @@ from hafailover.errors import ConfigurationError
 from hafailover.message import Message, PropertyValue
 from hafailover.spark._options import DeliveryGuarantee, SinkOptions
 
-__all__ = ["ColumnPlan", "IdScheme", "plan_columns", "to_messages"]
+__all__ = ["ColumnPlan", "IdScheme", "plan_columns", "row_content", "to_messages"]
 
 _BODY_NAMES: Final = ("body", "value")
 _HEADER_VALUE_TYPES: Final = (
@@ -141,6 +148,11 @@ def plan_columns(schema: StructType, options: SinkOptions) -> ColumnPlan:
             f"the columns are {[f.name for f in schema.fields]}"
         )
     if key is not None:
+        if options.positional_ids:
+            raise ConfigurationError(
+                f'option "positional_ids" is for rows without a key, and column {key.name!r} '
+                "is the key (its value is the row's duplicate id): leave one of them out"
+            )
         if not isinstance(key.dataType, _KEY_TYPES):
             raise ConfigurationError(
                 f"column {key.name!r} is {_type_name(key.dataType)}: a key must be string, "
@@ -170,12 +182,16 @@ def plan_columns(schema: StructType, options: SinkOptions) -> ColumnPlan:
     )
 
 
-@attrs.frozen
+@attrs.define
 class IdScheme:
-    """Derives each row's duplicate id; ``None`` prefix means at-least-once (no id)."""
+    """Derives each row's duplicate id within one partition of one batch; a ``None`` prefix
+    means at-least-once (no id). Counts the content digests it has seen, so one scheme
+    serves one task's partition from its first row to its last."""
 
     prefix: str | None  # "{sink_id}:{batch_id}:"
     partition: int
+    positional: bool = False
+    _seen: dict[str, int] = attrs.field(factory=dict, init=False, repr=False)
 
     @classmethod
     def for_batch(
@@ -183,7 +199,7 @@ class IdScheme:
     ) -> IdScheme:
         if options.delivery_guarantee is DeliveryGuarantee.AT_LEAST_ONCE:
             return cls(None, partition)
-        return cls(f"{sink_id}:{batch_id}:", partition)
+        return cls(f"{sink_id}:{batch_id}:", partition, options.positional_ids)
 
     def by_position(self, position: int) -> str | None:
         if self.prefix is None:
@@ -194,6 +210,69 @@ class IdScheme:
         if self.prefix is None:
             return None
         return f"{self.prefix}k:{key_text(key)}"
+
+    def by_content(self, content: bytes) -> str | None:
+        """The id of the next row whose ``row_content`` is ``content``."""
+        if self.prefix is None:
+            return None
+        digest = hashlib.blake2b(content, digest_size=_DIGEST_BYTES).hexdigest()
+        occurrence = self._seen.get(digest, 0)
+        self._seen[digest] = occurrence + 1
+        return f"{self.prefix}c{self.partition}:{digest}:{occurrence}"
+
+
+# 128 bits: two different rows of one partition share a digest with odds of about
+# n**2 / 2**129, far below any other failure for any partition Spark can hold.
+_DIGEST_BYTES: Final = 16
+_LENGTH: Final = struct.Struct(">Q").pack
+_INTEGER: Final = struct.Struct(">q").pack
+_DOUBLE: Final = struct.Struct(">d").pack
+_NO_PROPERTIES: Final = _LENGTH(0)
+
+
+def _text(value: str) -> bytes:
+    return value.encode("utf-8", "surrogatepass")
+
+
+def _property(value: PropertyValue) -> bytes:
+    # Tagged, so 1, 1.0, True and "1" (different properties on the wire) stay different.
+    if isinstance(value, bool):
+        return b"T" if value else b"F"
+    if isinstance(value, int):
+        return b"i" + _INTEGER(value)
+    if isinstance(value, float):
+        return b"d" + (b"nan" if math.isnan(value) else _DOUBLE(value))
+    if isinstance(value, str):
+        data = _text(value)
+        return b"s" + _LENGTH(len(data)) + data
+    raise ConfigurationError(f"a header value must be text, a number or a boolean, not {value!r}")
+
+
+def row_content(
+    body: str | bytes, properties: Mapping[str, PropertyValue], destination: Destination
+) -> bytes:
+    """What a row is, encoded so that two rows get the same bytes exactly when they make the
+    same message (body, properties, destination): every field length-prefixed and typed,
+    properties sorted by name (a map's entry order means nothing)."""
+    return _content(body, properties, _target(destination))
+
+
+def _target(destination: Destination) -> bytes:
+    data = _text(str(destination))
+    return _LENGTH(len(data)) + data
+
+
+def _content(body: str | bytes, properties: Mapping[str, PropertyValue], target: bytes) -> bytes:
+    data = _text(body) if isinstance(body, str) else bytes(body)
+    parts = [b"s" if isinstance(body, str) else b"b", _LENGTH(len(data)), data, target]
+    if properties:
+        parts.append(_LENGTH(len(properties)))
+        for name in sorted(properties):
+            encoded = _text(name)
+            parts += (_LENGTH(len(encoded)), encoded, _property(properties[name]))
+    else:
+        parts.append(_NO_PROPERTIES)
+    return b"".join(parts)
 
 
 def key_text(key: object) -> str:
@@ -271,13 +350,27 @@ def to_messages(
 
     messages: list[tuple[Message, Destination]] = []
     append = messages.append
+    by_content = keys is None and ids.prefix is not None and not ids.positional
+    targets: dict[Destination, bytes] = {}
     for index in range(rows):
         position = first_position + index
-        message_id = ids.by_key(keys[index]) if keys is not None else ids.by_position(position)
+        properties = _headers(headers[index])
+        if keys is not None:
+            message_id = ids.by_key(keys[index])
+        elif by_content:
+            destination = resolved[index]
+            where_to = targets.get(destination)
+            if where_to is None:
+                where_to = targets[destination] = _target(destination)
+            try:
+                content = _content(bodies[index], properties, where_to)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"row {position} of {where}: {exc}") from None
+            message_id = ids.by_content(content)
+        else:
+            message_id = ids.by_position(position)
         try:
-            message = Message(
-                body=bodies[index], properties=_headers(headers[index]), message_id=message_id
-            )
+            message = Message(body=bodies[index], properties=properties, message_id=message_id)
         except ConfigurationError as exc:
             raise ConfigurationError(f"row {position} of {where}: {exc}") from None
         append((message, resolved[index]))

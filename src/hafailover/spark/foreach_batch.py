@@ -3,7 +3,7 @@
 For users who prefer ``foreachBatch`` (to write one micro-batch to several sinks, say).
 Each call writes the micro-batch through the ``hafailover`` data source as a batch write
 whose batch id is the one Spark passes in, so the guarantee is the data source's: a row's
-duplicate id derives from the sink id, that batch id, and the row's key or position, and a
+duplicate id derives from the sink id, that batch id, and the row's key or content, and a
 re-run of the batch (after a restart from the checkpoint) is dropped by the broker. The call
 returns the batch's ``BatchReport``, read back from the commit log the driver wrote.
 
