@@ -2,6 +2,8 @@
 
     python -m reference_broker run --node-id live --role live ...   one node (see node.py)
     python -m reference_broker pair up [--data-dir DIR] [--tls] [--json]   a live and a backup
+        (no --password and no $HAFAILOVER_PASSWORD: a random one, written to DIR/password 0600;
+        the printed URLs carry no credentials, docs/cli.md)
     python -m reference_broker user add --users FILE NAME          add or change a user
     python -m reference_broker demo [--amqp]                       the live failover demo
 
@@ -14,13 +16,16 @@ import argparse
 import getpass
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
 import threading
 from pathlib import Path
+from urllib.parse import quote
 
 from reference_broker import node
+from reference_broker._files import PRIVATE_DIRECTORY, replace_atomically
 from reference_broker.pair import BrokerPair
 from reference_broker.tls import make_certificates
 from reference_broker.users import UsersFile, UsersFileError
@@ -30,7 +35,12 @@ def _pair_up(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hafailover pair up", description="Run a broker pair.")
     parser.add_argument("--data-dir", type=Path, help="where the nodes keep their data")
     parser.add_argument("--user", default="admin")
-    parser.add_argument("--password", default=os.environ.get("HAFAILOVER_PASSWORD", "admin"))
+    parser.add_argument(
+        "--password",
+        default=os.environ.get("HAFAILOVER_PASSWORD"),
+        help="the user's password (default: $HAFAILOVER_PASSWORD, else a random one written "
+        "to DATA_DIR/password, readable by you only)",
+    )
     parser.add_argument("--ports", help="six ports: live stomp,amqp,replication,backup ...")
     parser.add_argument("--heartbeat-timeout", type=float, default=1.0)
     parser.add_argument("--json", action="store_true", help="print the addresses as JSON")
@@ -46,6 +56,14 @@ def _pair_up(argv: list[str]) -> int:
     if args.tls_client_auth and not args.tls:
         parser.error("--tls-client-auth needs --tls")
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="hafailover-pair-"))
+    data_dir.mkdir(mode=PRIVATE_DIRECTORY, parents=True, exist_ok=True)
+    password_file: Path | None = None
+    password = args.password
+    if not password:
+        # Never a well-known default: a random password, kept where only this user reads it.
+        password = secrets.token_urlsafe(18)
+        password_file = data_dir / "password"
+        replace_atomically(password_file, (password + "\n").encode(), durable=False)
     tls = make_certificates(data_dir / "tls") if args.tls else None
     ports = None
     if args.ports:
@@ -59,13 +77,19 @@ def _pair_up(argv: list[str]) -> int:
     with BrokerPair(
         data_dir,
         user=args.user,
-        password=args.password,
+        password=password,
         ports=ports,
         heartbeat_timeout=args.heartbeat_timeout,
         tls=tls,
         tls_client_auth=args.tls_client_auth,
     ) as pair:
+        # The URLs carry no credentials: printed output ends up in terminals, logs and tickets.
+        credentials = f"{quote(args.user, safe='')}:{quote(password, safe='')}@"
         description = pair.describe()
+        for key in ("stomp_url", "amqp_url"):
+            description[key] = description[key].replace(credentials, "")
+        description["user"] = args.user
+        description["password_file"] = str(password_file) if password_file else None
         if args.json:
             print(json.dumps(description), flush=True)
         else:
@@ -74,8 +98,15 @@ def _pair_up(argv: list[str]) -> int:
                     f"{entry['name']:7} {entry['role']:7} pid {entry['pid']:<7} "
                     f"stomp {entry['stomp']}  amqp {entry['amqp']}"
                 )
-            print(f"STOMP failover URL: {pair.stomp_url}")
-            print(f"AMQP failover URL:  {pair.amqp_url}")
+            print(f"STOMP failover URL: {description['stomp_url']}")
+            print(f"AMQP failover URL:  {description['amqp_url']}")
+            if password_file is not None:
+                print(
+                    f"user {args.user}; its password is in {password_file} (readable by you "
+                    f'only): export HAFAILOVER_PASSWORD="$(cat {password_file})"'
+                )
+            else:
+                print(f"user {args.user}, with the password you gave")
             if tls is not None:
                 print(f"TLS: the CA that signed the nodes' certificates is {tls.ca}")
             print(f"data and logs in {data_dir}; Ctrl-C stops both nodes", flush=True)

@@ -2,7 +2,9 @@
 
 This module owns the URL grammar and every connection option of DESIGN.md
 section 3: it turns text into a validated, frozen ``FailoverPolicy`` and back
-(``str(policy)`` parses to an equal policy). It never opens a socket.
+(``policy.unredacted()`` parses to an equal policy). ``str()`` of a policy or an address
+hides passwords, so that no log line or error message can leak one; ``unredacted()`` is
+for the code that hands the URL on. It never opens a socket.
 
 Grammar::
 
@@ -97,11 +99,15 @@ class BrokerAddress:
         return (self.host, self.port)
 
     def __str__(self) -> str:
-        return self._render(mask_password=False)
+        return self.redacted()
 
     def redacted(self) -> str:
-        """The address with the password hidden, for logs."""
+        """The address with the password hidden (``***``), for logs; also what str() gives."""
         return self._render(mask_password=True)
+
+    def unredacted(self) -> str:
+        """The whole address, password included: only to hand on, never to print."""
+        return self._render(mask_password=False)
 
     def _render(self, *, mask_password: bool) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -441,11 +447,17 @@ class FailoverPolicy:
         return rendered
 
     def __str__(self) -> str:
-        return self._render(mask_passwords=False)
+        return self.redacted()
 
     def redacted(self) -> str:
-        """The URL with passwords hidden, for logs and reports."""
+        """The URL with passwords hidden (``***``), for logs and reports; also what str()
+        gives."""
         return self._render(mask_passwords=True)
+
+    def unredacted(self) -> str:
+        """The whole URL, passwords included, that parses to an equal policy: only to hand
+        on, never to print."""
+        return self._render(mask_passwords=False)
 
     def _render(self, *, mask_passwords: bool) -> str:
         query = "&".join(f"{k}={quote(v, safe='')}" for k, v in self.options().items())
