@@ -168,7 +168,7 @@ def test_non_string_url() -> None:
 
 @given(policies())
 def test_str_round_trips(policy: FailoverPolicy) -> None:
-    assert parse_url(str(policy)) == policy
+    assert parse_url(policy.unredacted()) == policy
 
 
 @given(policies())
@@ -184,7 +184,7 @@ def test_arbitrary_text_parses_or_raises_invalid_url(text: str) -> None:
         policy = parse_url(text)
     except InvalidURLError:
         return
-    assert parse_url(str(policy)) == policy
+    assert parse_url(policy.unredacted()) == policy
 
 
 @given(policies(), st.sampled_from(["colour", "retries", "heart_beat"]), st.text(max_size=5))
