@@ -35,7 +35,9 @@ def test_pair_up_with_tls_serves_both_protocols_and_stops(tmp_path: Path) -> Non
         assert description["tls_ca"] and Path(description["tls_ca"]).is_file()
         for url in (description["stomp_url"], description["amqp_url"]):
             assert url.startswith(("failover:(stomp+ssl://", "failover:(amqps://"))
-            with hafailover.connect(url) as connection:
+            # The URLs carry no credentials; pair up says where the password is.
+            password = Path(description["password_file"]).read_text().strip()
+            with hafailover.connect(url, user=description["user"], password=password) as connection:
                 session = connection.create_session()
                 session.create_producer("queue://tls-cli").send("hello")
                 consumer = session.create_consumer("queue://tls-cli")
