@@ -57,6 +57,9 @@ class ServeConfig:
     # Longest a dropped session is held for reattach, whatever the client asks.
     max_connection_ttl: float = 300.0
     allow_anonymous: bool = False
+    # AMQP: a durable message's message-id is its duplicate id when it has no _AMQ_DUPL_ID
+    # (off: producers that reuse message-ids would lose messages; docs/security.md).
+    amqp_message_id_duplicates: bool = False
     max_body_size: int = 64 * 1024 * 1024
     # Unsettled deliveries a client-acknowledge consumer may hold unless it asks otherwise.
     default_prefetch: int = 1000
