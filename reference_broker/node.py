@@ -143,6 +143,8 @@ class NodeConfig:
     # The pair secret both nodes prove they hold on the replication link; None: the file
     # PAIR_SECRET_NAME in pair_dir, made by the first node to start (docs/security.md).
     pair_secret_file: Path | None = None
+    # AMQP: take a durable message's message-id as its duplicate id (off: _AMQ_DUPL_ID only).
+    amqp_message_id_duplicates: bool = False
     max_connection_ttl: float = 300.0
     segment_size: int = DEFAULT_SEGMENT_SIZE
     checkpoint_segments: int = CHECKPOINT_SEGMENTS
@@ -600,6 +602,7 @@ class Node:
                 heartbeat=config.heartbeat_timeout / 2,
                 max_connection_ttl=config.max_connection_ttl,
                 allow_anonymous=config.allow_anonymous,
+                amqp_message_id_duplicates=config.amqp_message_id_duplicates,
                 topology_extension=config.topology_extension,
             ),
             may_serve=self.may_serve,
@@ -1134,6 +1137,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the pair secret (hex, mode 0600) for nodes that share no pair directory; "
         "default: pair.secret in --pair-dir, made by the first node",
     )
+    p.add_argument(
+        "--amqp-message-id-duplicates",
+        action="store_true",
+        help="AMQP: a durable message without _AMQ_DUPL_ID is deduplicated by its message-id",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -1167,6 +1175,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         checkpoint_segments=args.checkpoint_segments,
         checkpoint_ratio=args.checkpoint_ratio,
         pair_secret_file=args.pair_secret_file,
+        amqp_message_id_duplicates=args.amqp_message_id_duplicates,
     )
 
 

@@ -28,9 +28,12 @@ clients can exchange messages. The mapping is lossless for what AMQP clients com
   ``message-id`` header gets the broker's ``node:id``.
 - application properties travel as headers. A STOMP header has no type, so values are kept
   as text (``true``/``false`` for booleans) and are delivered as strings.
-- duplicate detection (DESIGN F13): the application property ``_AMQ_DUPL_ID`` if present,
-  else the message-id of a durable message, is the duplicate id; ``_AMQ_DUPL_ID`` is
-  delivered with the message, as on Artemis (over STOMP as a header).
+- duplicate detection (DESIGN F13): the application property ``_AMQ_DUPL_ID`` is the
+  duplicate id, as on Artemis, and is delivered with the message (over STOMP as a header).
+  The message-id is not: many producers reuse message-ids (a counter per connection), and
+  taking one for a duplicate id drops their messages silently. Only a broker started with
+  ``--amqp-message-id-duplicates`` takes a durable message's message-id when there is no
+  ``_AMQ_DUPL_ID`` (``message_id_duplicates``).
 - message annotations and delivery annotations are not kept.
 """
 
@@ -178,19 +181,23 @@ def _encode_value(value: object) -> bytes:
     return data.encode()
 
 
-def decode_incoming(payload: bytes, now: float) -> IncomingMessage:
-    """Decode a transfer's payload into an engine send; DecodeError if it is not a message."""
+def decode_incoming(
+    payload: bytes, now: float, *, message_id_duplicates: bool = False
+) -> IncomingMessage:
+    """Decode a transfer's payload into an engine send; DecodeError if it is not a message.
+    With ``message_id_duplicates`` a durable message's message-id is its duplicate id when
+    it carries no ``_AMQ_DUPL_ID``."""
     message = Message()
     try:
         message.decode(payload)
-        return _incoming(message, now)
+        return _incoming(message, now, message_id_duplicates=message_id_duplicates)
     except (ProtonException, KeyError, TypeError, ValueError, UnicodeError) as exc:
         if isinstance(exc, BrokerError):
             raise
         raise DecodeError(f"not a valid AMQP message: {exc}") from None
 
 
-def _incoming(message: Message, now: float) -> IncomingMessage:
+def _incoming(message: Message, now: float, *, message_id_duplicates: bool) -> IncomingMessage:
     headers: dict[str, str] = {}
     duplicate_id: str | None = None
     properties = message.properties
@@ -229,7 +236,7 @@ def _incoming(message: Message, now: float) -> IncomingMessage:
     if message.creation_time:
         headers[_TIMESTAMP] = str(round(message.creation_time * 1000))
     persistent = message.durable
-    if duplicate_id is None and persistent and message_id is not None:
+    if duplicate_id is None and message_id_duplicates and persistent and message_id is not None:
         duplicate_id = _id_text(message_id)
     expirations = []
     if message.ttl:

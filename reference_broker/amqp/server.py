@@ -805,7 +805,11 @@ class AmqpConnection(asyncio.Protocol):
         try:
             if delivery.remote_state == _TRANSACTIONAL_STATE:
                 txn_id, tx = self._transaction_of(delivery.remote.data)
-            incoming = decode_incoming(payload, time.time())
+            incoming = decode_incoming(
+                payload,
+                time.time(),
+                message_id_duplicates=self.core.config.amqp_message_id_duplicates,
+            )
             address = producer.address
             if address is None:
                 if incoming.to is None:
