@@ -469,7 +469,11 @@ def test_persistent_messages_survive_a_restart(broker: InProcessBroker) -> None:
         c.close()
 
 
-def test_a_durable_message_id_is_a_duplicate_id(broker: InProcessBroker) -> None:
+def test_a_durable_message_id_is_a_duplicate_id_when_the_broker_says_so(
+    tmp_path: Path, users: UsersFile
+) -> None:
+    # By default only _AMQ_DUPL_ID is (tests/broker/test_amqp_duplicate_id.py).
+    broker = InProcessBroker(tmp_path, users, heartbeat=5.0, amqp_message_id_duplicates=True)
     c = broker.connect()
     try:
         sender = c.create_sender("dedup")
@@ -484,6 +488,7 @@ def test_a_durable_message_id_is_a_duplicate_id(broker: InProcessBroker) -> None
         assert got[1].properties == {"_AMQ_DUPL_ID": "x"}
     finally:
         c.close()
+        broker.close()
 
 
 def test_release_reject_and_modify(broker: InProcessBroker) -> None:
