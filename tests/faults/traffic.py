@@ -18,6 +18,7 @@ import collections
 import threading
 import time
 import traceback
+from typing import Protocol
 
 import attrs
 
@@ -49,6 +50,7 @@ class ConfirmedProducer(threading.Thread):
         self.attempted: set[int] = set()
         self.confirmed: list[int] = []
         self.confirmed_at: list[float] = []
+        self.started_at: list[float] = []  # when the attempt that was confirmed began
         self.refusals: list[tuple[float, HaFailoverError]] = []
         self.longest_stall = 0.0
         self.failovers = 0
@@ -78,6 +80,7 @@ class ConfirmedProducer(threading.Thread):
                         self._stalled(started)
                         self.confirmed.append(seq)
                         self.confirmed_at.append(time.monotonic())
+                        self.started_at.append(started)
                         break
                     seq += 1
                     if self.pace:
@@ -188,13 +191,24 @@ def stop_all(*threads: ConfirmedProducer | AckingConsumer, timeout: float = 30.0
         assert thread.error is None, thread.error
 
 
+class Sender(Protocol):
+    """What ``check`` reads of a producer besides ConfirmedProducer."""
+
+    attempted: set[int]
+    confirmed: list[int]
+    failovers: int
+
+
 def check(
     url: str,
     queue: str,
     producer: ConfirmedProducer,
     consumer: AckingConsumer | None = None,
+    *,
+    others: tuple[Sender, ...] = (),
 ) -> Outcome:
-    """Drain the queue and count lost, unexpected and duplicate messages (threads stopped)."""
+    """Drain the queue and count lost, unexpected and duplicate messages (threads stopped).
+    ``others``: more producers on the same queue, with seqs of their own."""
     drained = seqs(drain(url, queue, idle=1.0))
     acknowledged = consumer.acknowledged if consumer is not None else []
     in_doubt = consumer.in_doubt if consumer is not None else []
@@ -202,13 +216,19 @@ def check(
     received = acknowledged + drained
     counts = collections.Counter(received)
     stalls = [producer.longest_stall] + ([consumer.longest_stall] if consumer else [])
+    attempted = set(producer.attempted).union(*(other.attempted for other in others))
+    confirmed = list(producer.confirmed)
+    for other in others:
+        confirmed += other.confirmed
     return Outcome(
-        attempted=len(producer.attempted),
-        confirmed=len(producer.confirmed),
+        attempted=len(attempted),
+        confirmed=len(confirmed),
         received=len(received),
-        lost=sorted(set(producer.confirmed) - set(received) - set(in_doubt)),
-        unexpected=sorted(set(received + handed) - producer.attempted),
+        lost=sorted(set(confirmed) - set(received) - set(in_doubt)),
+        unexpected=sorted(set(received + handed) - attempted),
         duplicates={seq: n for seq, n in counts.items() if n > 1},
         longest_stall=max(stalls),
-        failovers=producer.failovers + (consumer.failovers if consumer else 0),
+        failovers=producer.failovers
+        + (consumer.failovers if consumer else 0)
+        + sum(other.failovers for other in others),
     )
