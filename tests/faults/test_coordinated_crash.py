@@ -45,6 +45,15 @@ def pair(tmp_path: Path) -> Iterator[BrokerPair]:
         yield started
 
 
+@pytest.fixture
+def pair_without_failback(tmp_path: Path) -> Iterator[BrokerPair]:
+    with BrokerPair(
+        tmp_path / "pair", user="app", password="secret", allow_failback=False
+    ) as started:
+        started.wait_synchronized(30)
+        yield started
+
+
 def kill_both(pair: BrokerPair) -> None:
     """SIGKILL both nodes back to back (no reaping in between), then reap them."""
     pids = [node.pid for node in pair.nodes if node.running]
@@ -104,3 +113,42 @@ def test_both_nodes_killed_together_lose_nothing(
     # The producer blocked while no node served (it saw the outage), then went on.
     assert producer.longest_stall >= DOWN_FOR
     assert producer.failovers >= 1 and consumer.failovers >= 1
+
+
+def test_after_a_failover_the_former_backup_holds_the_newer_journal(
+    pair_without_failback: BrokerPair, protocol: str
+) -> None:
+    """The preferred live fails over to the backup, rejoins as its backup (no failback), and
+    both are killed together: now the preferred backup holds the newer journal. Restarted
+    first, the preferred live (started with --role live) must wait as backup."""
+    pair = pair_without_failback
+    first, second = pair.nodes
+    url = url_for(pair, protocol, reconnect_attempts=-1)
+    producer = ConfirmedProducer(url, QUEUE)
+    producer.start()
+    try:
+        wait_until(lambda: len(producer.confirmed) >= 30, 30, "the first traffic")
+        pair.kill(first)
+        assert pair.wait_active(20) is second
+        confirmed = len(producer.confirmed)
+        wait_until(lambda: len(producer.confirmed) > confirmed + 30, 20, "sends on the backup")
+        pair.restart(first)
+        pair.wait_synchronized(30)
+        assert second.role == "live", "failed back without allow_failback"
+        confirmed = len(producer.confirmed)
+        wait_until(lambda: len(producer.confirmed) > confirmed + 30, 20, "sends, replicated")
+        kill_both(pair)
+        time.sleep(DOWN_FOR)
+        pair.restart(first)
+        time.sleep(3 * pair.lease)
+        assert first.role == "backup", "the preferred live served the older journal"
+        pair.restart(second)
+        assert pair.wait_active(20) is second, "the node with the newer journal is not live"
+        pair.wait_synchronized(30)
+        confirmed = len(producer.confirmed)
+        wait_until(lambda: len(producer.confirmed) > confirmed + 20, 30, "progress after restart")
+    finally:
+        stop_all(producer)
+    outcome = check(url, QUEUE, producer)
+    print("\n" + outcome.line("both nodes killed after a failover (older first)", protocol))
+    outcome.assert_clean()
