@@ -73,6 +73,13 @@ reconnecting within connection_ttl recreates its temporary queues under the same
 DESIGN F5). To hold a whole session for reattach (F4), the server does not disconnect: it
 calls `pause_connection`, and later `resume_connection` or `disconnect`.
 
+A full disk. The engine reads no disk: the node tells it, through
+`refuse_persistent_sends(reason)`, when its journal has no room for new data. Until told
+otherwise a persistent send raises DiskFullError (code DISK_FULL, with the reason), unless it
+is a duplicate already stored (that writes nothing), and a commit holding persistent sends is
+rolled back and raises it. Everything else (acknowledgements, settlements, rollbacks,
+non-persistent sends) goes on: those records are what the journal's reserve is for.
+
 Recovery. `Engine.recover(records)` rebuilds durable queues, their persistent messages in
 order with their delivery counts, the dead-letter queue and the duplicate-id caches, applying
 committed transactions only. The journal does not record deliveries, so every recovered

@@ -35,7 +35,12 @@ Record::
 
 A new segment is started when the next write would take the current one past `segment_size`;
 one append or batch is never split, so a batch bigger than that makes one oversized segment.
-Segments are created whole (header written to a .tmp file, fsynced, renamed, directory fsynced),
+Each segment's blocks are reserved on disk when it is created (fallocate with
+FALLOC_FL_KEEP_SIZE: the file's length is what was written, so nothing below changes), so an
+append into the active segment never fails for space. Only a new segment needs new space; if
+the disk cannot hold one, the append raises `JournalFullError` having written nothing, and the
+journal stays open (`room` says how much still fits the active segment). Segments are created
+whole (header written to a .tmp file, fsynced, renamed, directory fsynced),
 so a segment file with a missing or short header did not come from a crash under a durable policy;
 a .tmp file left by a crash is deleted at open. Compaction rewrites a segment the same way.
 

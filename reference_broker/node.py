@@ -30,7 +30,11 @@ engine statistics count cheaply); once the checkpoint is durable (on the backup 
 is synchronous) it deletes the segments wholly before the BEGIN. The checkpoint reaches the
 backup like any batch, and the backup deletes the same way when it has stored a complete one.
 A journal that ends inside a checkpoint (torn by a crash) gets a new one before anything is
-served, because recovery would take later records for part of the torn one.
+served, because recovery would take later records for part of the torn one. A checkpoint
+that fails is reported and tried again after a pause that doubles up to 10 s, and one the
+disk has no room for is postponed the same way: compaction never stops for good. The same
+loop looks at the disk four times a second, so that persistent sends refused for a full disk
+(reference_broker.store) are accepted again once space returns.
 
 The lease is renewed by ``LeaseKeeper`` on a thread of its own, so that client work on the
 event loop (a login flood, a big dispatch) cannot starve it; the loop still checks the lease
