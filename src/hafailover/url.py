@@ -342,8 +342,8 @@ class FailoverPolicy:
     failover_method: FailoverMethod = FailoverMethod.ROUNDROBIN
     reconnect_attempts: int = -1
     initial_connect_attempts: int = 1
-    retry_interval: float = 0.1
-    retry_interval_multiplier: float = 1.5
+    retry_interval: float = 0.01
+    retry_interval_multiplier: float = 1.2
     max_retry_interval: float = 2.0
     retry_jitter: float = 0.1
     confirmation_window_size: int = 1024 * 1024
