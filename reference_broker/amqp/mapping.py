@@ -50,6 +50,7 @@ from reference_broker.engine import (
     QUEUE_PREFIX,
     TEMP_QUEUE_PREFIX,
     TOPIC_PREFIX,
+    DiskFullError,
     UnknownTransactionError,
 )
 from reference_broker.message import (
@@ -329,6 +330,7 @@ _CONDITIONS: Final[tuple[tuple[type[BrokerError], str], ...]] = (
     (NotImplementedByBrokerError, "amqp:not-implemented"),
     (NotFoundError, "amqp:not-found"),
     (ResourceLockedError, "amqp:resource-locked"),
+    (DiskFullError, "amqp:resource-limit-exceeded"),  # as Artemis says "address full"
     (InvalidRequestError, "amqp:invalid-field"),
 )
 CODE_KEY: Final = symbol("hafailover-code")
