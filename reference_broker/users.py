@@ -266,10 +266,23 @@ class LoginGuard:
                 "login of %r from %s refused: %d checks waiting", name, source, self._pending
             )
             return False
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Marked busy before this task yields, so that no other attempt on these keys starts
+        # a derivation meanwhile. The derivation and its bookkeeping run in a task of their
+        # own: a client that hangs up at once still pays for its attempt in penalty.
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
         for key in keys:
             self._key(key).busy = done
         self._pending += 1
+        derivation = loop.create_task(self._derive(name, password, keys, done))
+        if await asyncio.shield(derivation):
+            return True
+        await asyncio.sleep(max(self._penalty_end(key) for key in keys) - self._clock())
+        return False
+
+    async def _derive(
+        self, name: str, password: str, keys: list[tuple[str, str]], done: asyncio.Future[None]
+    ) -> bool:
         try:
             ok = await asyncio.get_running_loop().run_in_executor(
                 self._worker(), self.users.verify, name, password
@@ -280,17 +293,15 @@ class LoginGuard:
                 self._key(key).busy = None
             done.set_result(None)
         self.derivations += 1
-        if ok:
-            return True
-        now = self._clock()
-        for key in keys:
-            state = self._key(key)
-            if now - state.last_failure > self.policy.forget_after:
-                state.failures = 0
-            state.failures += 1
-            state.last_failure = now
-        await asyncio.sleep(max(self._penalty_end(key) for key in keys) - self._clock())
-        return False
+        if not ok:
+            now = self._clock()
+            for key in keys:
+                state = self._key(key)
+                if now - state.last_failure > self.policy.forget_after:
+                    state.failures = 0
+                state.failures += 1
+                state.last_failure = now
+        return ok
 
     def _key(self, key: tuple[str, str]) -> _Key:
         state = self._keys.get(key)

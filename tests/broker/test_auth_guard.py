@@ -212,3 +212,25 @@ def test_anonymous_only_where_allowed(users: UsersFile) -> None:
 def test_a_bad_policy_is_refused_by_name(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LoginPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_client_that_hangs_up_during_its_check_still_pays_for_it(
+    users: UsersFile, derivations: list[tuple[str, int]]
+) -> None:
+    async def main() -> LoginGuard:
+        guard = LoginGuard(users, POLICY)
+        try:
+            first = asyncio.ensure_future(guard.check("alice", "wrong", "10.0.7.1:1"))
+            while not derivations:  # the derivation is under way
+                await asyncio.sleep(0.001)
+            first.cancel()  # the connection was lost: its task is cancelled
+            # The next guess, from elsewhere, finds the user in penalty.
+            assert not await guard.check("alice", "wrong-too", "10.0.7.2:1")
+        finally:
+            guard.close()
+        return guard
+
+    users._verified.clear()
+    guard = asyncio.run(main())
+    assert len(derivations) == 1
+    assert guard.throttled == 1
