@@ -109,7 +109,8 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
     print(
         "\n"
         + outcome.line("live's disk full", protocol)
-        + f" refusals={len(producer.refusals)} first refusal {refused_at - full_at:.2f}s"
+        + f" (producer {producer.failovers}, consumer {consumer.failovers})"
+        f" refusals={len(producer.refusals)} first refusal {refused_at - full_at:.2f}s"
         f" after the disk filled, sends confirmed {resumed:.2f}s after space returned;"
         f" the refusal: {next(iter(reasons))}"
     )
