@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from hafailover.core.failover import Admission, FailoverMachine
 from hafailover.core.inflight import CallKind, SessionsCore
@@ -67,17 +67,60 @@ def error_for(code: ErrorCode, text: str) -> HaFailoverError:
 class WatchedCondition(threading.Condition):
     """The connection's condition. Every ``notify_all`` (a call ended, room in the window,
     a delivery buffered, the connection back or gone) is also told to ``watcher``, which
-    must never block: how hafailover.aio's event loop learns to look again."""
+    must never block: how hafailover.aio's event loop learns to look again.
+
+    It also runs the flushes of link outboxes queued while it was held (``flush_later``)
+    as soon as the thread that queued them lets go of it: on leaving its outermost
+    ``with``, or on waiting. So bytes are decided and queued under the lock and written
+    outside it, by the thread that queued them, and a write that blocks never holds the
+    lock (the reader still delivers; docs/core.md, "I/O")."""
 
     def __init__(self) -> None:
-        super().__init__(threading.RLock())
+        lock = threading.RLock()
+        super().__init__(lock)
         self.watcher: Callable[[], None] | None = None
+        self._flushes: list[Callable[[], None]] = []  # queued by the thread holding it
+        self._release = lock.release
+        # The RLock's own helpers, which Condition uses too (not in the typeshed stubs).
+        self._held: Callable[[], bool] = lock._is_owned  # type: ignore[attr-defined]
+        self._release_all: Callable[[], Any] = lock._release_save  # type: ignore[attr-defined]
+        # Condition.wait releases through this attribute: flush once released.
+        self._release_save = self._release_and_flush
 
     def notify_all(self) -> None:
         super().notify_all()
         watcher = self.watcher
         if watcher is not None:
             watcher()
+
+    def flush_later(self, flush: Callable[[], None]) -> None:
+        """Run ``flush`` once this thread no longer holds the lock (now if it does not)."""
+        if not self._held():
+            flush()
+        elif flush not in self._flushes:
+            self._flushes.append(flush)
+
+    def __exit__(self, *exc: object) -> None:
+        flushes = self._flushes
+        if not flushes:
+            self._release()
+            return
+        self._flushes = []  # taken while still held: only this thread could have queued
+        self._release()
+        if self._held():  # a nested hold: the outermost one's release flushes
+            self._flushes = flushes + self._flushes
+            return
+        for flush in flushes:
+            flush()
+
+    def _release_and_flush(self) -> Any:
+        """``wait`` lets go of every hold at once: flush first thing after (its waiter is
+        registered already, so no notify is missed meanwhile)."""
+        flushes, self._flushes = self._flushes, []
+        state = self._release_all()
+        for flush in flushes:
+            flush()
+        return state
 
 
 class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and hafailover.aio, not an error
@@ -152,6 +195,11 @@ class Calls:
     if TYPE_CHECKING:
 
         def link_lost(self, link: Link, reason: str) -> None: ...
+
+    def link_output(self, link: Link, flush: Callable[[], None]) -> None:
+        """``LinkEvents``: ``link`` queued bytes; they are written once this thread lets go
+        of the lock (never under it: a peer that stops reading must not stop the reader)."""
+        self._cond.flush_later(flush)
 
     def _io_failed(self, link: Link, exc: HaFailoverError) -> None:
         """A write failed: the link is dead even if its reader has not noticed yet."""

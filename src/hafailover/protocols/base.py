@@ -9,7 +9,9 @@ retries, never waits for a lost connection, and says nothing about what a failur
 Events come back to the driver through ``LinkEvents``, tagged with the link so that a late
 event of a link the driver has replaced is ignored there. Calls marked *blocking* wait for
 the broker and must be made without the driver's lock held (the AMQP reader thread calls back
-into the driver).
+into the driver). The others never write to the socket: they queue bytes in the link's
+outbox and ask the driver, through ``LinkEvents.link_output``, to flush it once its lock is
+released.
 
 Pure: no I/O.
 """
@@ -133,6 +135,12 @@ class LinkEvents(Protocol):
     def link_browse_end(self, link: Link, subscription: str) -> None: ...
 
     def link_lost(self, link: Link, reason: str) -> None: ...
+
+    def link_output(self, link: Link, flush: Callable[[], None]) -> None:
+        """The link queued bytes in its outbox (``protocols/outbox.py``); ``flush`` writes
+        them and must be called once the calling thread holds no lock: at once if it holds
+        none, else when it lets go of the driver's (called on the thread that queued)."""
+        ...
 
 
 class Link(Protocol):

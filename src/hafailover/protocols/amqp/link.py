@@ -7,6 +7,8 @@ and owes the driver: ``hafailover.protocols.base.Link``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hafailover.destination import Destination
 from hafailover.errors import (
     CallTimeoutError,
@@ -44,8 +46,13 @@ class AmqpLink:
             heartbeat=policy.heartbeat,
             connect_timeout=max(2.0, policy.heartbeat * 4),
             call_timeout=policy.call_timeout,
+            # Requests made under the driver's lock are written once it is released.
+            flush_later=self._flush_later,
         )
         self.broker: BrokerAddress = policy.brokers[0]
+
+    def _flush_later(self, flush: Callable[[], None]) -> None:
+        self.events.link_output(self, flush)
 
     def open(self, broker: BrokerAddress, *, resume: str | None) -> Opened:
         self.broker = broker

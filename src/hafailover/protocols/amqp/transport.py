@@ -1,11 +1,15 @@
 """The socket, the reader thread and the lock of one AMQP connection.
 
 ``engine.AmqpEngine`` is proton with no I/O; this module is the I/O. One lock
-serializes the engine: a request is made under it and its bytes are written under it too (so
-they leave in the order proton produced them, and a send is on the wire when ``send``
-returns: one ``sendall`` per call, TCP_NODELAY, no thread hand-off on the way). One reader
-thread waits for the socket or for proton's next deadline (heart-beats, the broker's
-silence), pushes what it read and writes what proton answers. The events the engine queues
+serializes the engine: a request is made under it and the bytes proton produced are taken
+under it into the connection's ``Outbox`` (``protocols/outbox.py``), so they leave in the
+order proton produced them; they are written after the engine lock is released, under the
+outbox's write lock, and, for a request made under the driver's lock, only once that is
+released too (``flush_later``). So a write the broker does not take never holds the engine
+lock: the reader goes on reading, ticking proton's heart-beats and noticing the broker's
+silence. One reader thread waits for the socket or for proton's next deadline (heart-beats,
+the broker's silence), pushes what it read and writes what proton answers, unless another
+thread is writing (which then writes the reader's bytes too). The events the engine queues
 are called with the lock released, by one thread at a time and in the order they were
 queued: whichever thread queued them calls them, unless another is calling events already,
 which then calls them too.
@@ -46,6 +50,7 @@ from hafailover.protocols.amqp.engine import (
 )
 from hafailover.protocols.amqp.errors import map_errors
 from hafailover.protocols.base import Opened, TlsOptions
+from hafailover.protocols.outbox import Outbox
 from hafailover.url import BrokerAddress
 
 __all__ = ["AmqpTransport"]
@@ -70,12 +75,15 @@ class AmqpTransport:
         connect_timeout: float = 5.0,
         call_timeout: float = 30.0,
         tls: TlsOptions | None = None,
+        flush_later: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         """``heartbeat``: the broker is declared dead after twice this many seconds of
         silence; the Open asks it to send something at least every ``heartbeat`` seconds
         (0 turns both off). ``connect_timeout`` bounds ``open``, ``call_timeout`` the other
         blocking calls unless they are given a timeout. ``tls``: how amqps checks the broker
-        (the system's CAs and its host name by default) and shows itself."""
+        (the system's CAs and its host name by default) and shows itself. ``flush_later``:
+        given the outbox's flush after a request queued bytes, to call once the caller's
+        own locks are released (the driver's lock); None: flushed at once."""
         self.events = events
         self.heartbeat = heartbeat
         self.connect_timeout = connect_timeout
@@ -87,6 +95,8 @@ class AmqpTransport:
         self._reader: threading.Thread | None = None
         self._dispatching = False
         self._ended = threading.Event()  # the reader has left: the socket is closed
+        self._outbox = Outbox(self._send_bytes, self._write_failed)
+        self._flush_later = flush_later
 
     @property
     def serial(self) -> int:
@@ -249,6 +259,7 @@ class AmqpTransport:
                 self._engine.abort()
             self._flush()
         self._dispatch()
+        self._outbox.flush()
         reader = self._reader
         here = threading.current_thread()
         if reader is None or reader.ident is None:  # never started: nobody else closes it
@@ -274,6 +285,11 @@ class AmqpTransport:
             events = self._flush()
         if events:
             self._dispatch()
+        if self._outbox.pending:
+            if self._flush_later is None:
+                self._outbox.flush()
+            else:
+                self._flush_later(self._outbox.flush)
 
     def _wait(
         self,
@@ -298,6 +314,7 @@ class AmqpTransport:
             start()
         if events:
             self._dispatch()
+        self._outbox.flush()  # a call that waits is made without the driver's lock
         limit = self.call_timeout if timeout is None else timeout
         if not answered.wait(limit):
             with self._lock:
@@ -307,22 +324,30 @@ class AmqpTransport:
         return pending.result()
 
     def _flush(self) -> bool:
-        """Write what proton has to say (under the lock); return whether events are queued.
-
-        A write that fails is the connection's loss, noticed here."""
+        """Under the lock: queue what proton has to say in the outbox (written once the
+        lock is released); return whether events are queued."""
         engine = self._engine
         data = engine.output()
-        sock = self._socket
-        if data and sock is not None:
-            try:
-                sock.sendall(data)
-            except OSError as exc:
-                reason = (
-                    "no write within the idle timeout" if isinstance(exc, TimeoutError) else exc
-                )
-                engine.input_closed(f"writing failed: {reason}", time.monotonic())
-                self._wake_reader()
+        if data and self._socket is not None:
+            self._outbox.put(data)
         return engine.has_events
+
+    def _send_bytes(self, data: bytes) -> None:
+        """The outbox's write (under its write lock only). The socket's timeout bounds a
+        write the broker does not take."""
+        sock = self._socket
+        if sock is None:
+            raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
+        sock.sendall(data)
+
+    def _write_failed(self, error: Exception) -> None:
+        """A write failed or did not finish within the idle timeout: the connection's loss,
+        noticed by the writer (reported once, whichever thread noticed first)."""
+        reason = "no write within the idle timeout" if isinstance(error, TimeoutError) else error
+        with self._lock:
+            self._engine.input_closed(f"writing failed: {reason}", time.monotonic())
+        self._wake_reader()
+        self._dispatch()
 
     # --- the reader thread --------------------------------------------------------------------
 
@@ -339,6 +364,7 @@ class AmqpTransport:
                     self._flush()
                     ended = engine.ended
                 self._dispatch()
+                self._outbox.flush()  # unless another thread is writing: it writes these
                 if ended:
                     return
                 wait = None if not deadline else max(0.0, deadline - time.monotonic())
@@ -358,6 +384,7 @@ class AmqpTransport:
                     self._flush()
                     ended = engine.ended
                 self._dispatch()
+                self._outbox.flush()
                 if ended:
                     return
         except Exception:  # a bug here must end the connection, not leave it hanging

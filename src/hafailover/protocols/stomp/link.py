@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Callable
 from typing import Final
 
 from hafailover.core.window import ConfirmationWindow, command_flags
@@ -55,8 +56,13 @@ class StompLink:
             tls=TlsOptions.of(policy),
             heartbeat=policy.heartbeat,
             connect_timeout=max(2.0, policy.heartbeat * 4),
+            # Frames are queued under the driver's lock and written once it is released.
+            flush_later=self._flush_later,
         )
         self.broker: BrokerAddress = policy.brokers[0]
+
+    def _flush_later(self, flush: Callable[[], None]) -> None:
+        self.events.link_output(self, flush)
 
     def open(self, broker: BrokerAddress, *, resume: str | None) -> Opened:
         self.broker = broker
@@ -83,8 +89,8 @@ class StompLink:
         size = self._transport.write(command, headers, body)
         if not self.windowed:
             return -1
-        # Only SENDs wait for room (the driver checks before writing); the frame is on the
-        # wire already, so it is numbered whatever the window holds.
+        # Only SENDs wait for room (the driver checks before writing); the frame is queued
+        # already (it leaves in this order), so it is numbered whatever the window holds.
         return self.window.record(
             (command, headers, body),
             size,

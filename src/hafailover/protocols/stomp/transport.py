@@ -8,6 +8,15 @@ one place (``_map_errors``). It never retries, reconnects or fails over: stomp.p
 reconnection is switched off, and the driver decides what a lost connection means.
 
 Events are called on stomp.py's receiver thread; the driver must not block in them.
+
+Writes go through an ``Outbox`` (``protocols/outbox.py``): ``write`` encodes a frame and
+queues it, ``flush`` writes the queue under the outbox's write lock, outside every other
+lock. stomp.py's own writes (CONNECT, heart-beats, DISCONNECT) are routed into the same
+outbox, so its heart-beat thread never waits behind a write a peer does not take (it goes
+on checking the broker's heart-beats) and never splits a frame of ours. A write has no
+timeout, unlike AMQP's: a STOMP broker may stop reading on purpose (ActiveMQ's producer flow
+control), so a slow write is no loss by itself; the reader and the heart-beats say when the
+connection is gone, and the driver's abort then shuts the socket, which ends a stuck write.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import stomp
@@ -28,6 +37,7 @@ from hafailover.destination import Destination, DestinationKind, parse_destinati
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue, stamps_duplicate_id
 from hafailover.protocols.base import Opened, TlsOptions, detects_duplicates, parse_topology
+from hafailover.protocols.outbox import Outbox
 from hafailover.protocols.stomp.frame import encode_frame
 from hafailover.url import BrokerAddress
 
@@ -44,8 +54,6 @@ __all__ = [
 ]
 
 DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
-# stomp.py's private name for the lock around its socket writes (see StompTransport.open).
-_SOCKET_GUARD: Final = "_Transport__socket_semaphore"
 CONFIRM_PREFIX: Final = "hafailover-confirm:"
 # Headers the broker or this adapter interpret; the rest are the message's properties.
 _RESERVED: Final = frozenset(
@@ -183,11 +191,14 @@ def _check_handshake(broker: BrokerAddress, tls: TlsOptions, timeout: float) -> 
 def _put(transport: Any, data: bytes) -> None:
     """Write bytes the way stomp.py's transport wants them. stomp.py's own path (listeners,
     Frame objects, its encoder) costs more than the rest of a send, so frames go straight to
-    its socket, under its socket lock; but over TLS its reader thread owns the (non-blocking)
-    socket and writes what is queued for it, since an SSL socket may not be written and
-    read by two threads at once."""
+    its socket (the outbox's write lock is the only writer's lock); but over TLS its reader
+    thread owns the (non-blocking) socket and writes what is queued for it, since an SSL
+    socket may not be written and read by two threads at once."""
     if transport.blocking:
-        transport.send(data)
+        sock = transport.socket
+        if sock is None:
+            raise stomp.exception.NotConnectedException()
+        sock.sendall(data)
     else:
         transport.send_queue.put(data)
 
@@ -256,7 +267,10 @@ class StompTransport:
         heartbeat: float = 1.0,
         connect_timeout: float = 5.0,
         tls: TlsOptions | None = None,
+        flush_later: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
+        """``flush_later``: given the outbox's flush after each frame is queued, to call
+        once the caller's locks are released (the driver's lock); None: flushed at once."""
         self.events = events
         self.tls = tls or TlsOptions()
         self.heartbeat = heartbeat
@@ -269,6 +283,8 @@ class StompTransport:
         self._closed = False
         self._lost_reported = False
         self._lock = threading.Lock()
+        self._outbox = Outbox(self._put, self._write_failed)
+        self._flush_later = flush_later
 
     def open(
         self,
@@ -305,11 +321,9 @@ class StompTransport:
                 ca_certs=tls.ca_file,
                 verify=tls.verify,
             )
-        # stomp.py guards its socket with a BoundedSemaphore, written in Python and about a
-        # third of the cost of a small send; a Lock gives the same exclusion in C.
-        transport = connection.transport
-        if isinstance(getattr(transport, _SOCKET_GUARD, None), threading.BoundedSemaphore):
-            setattr(transport, _SOCKET_GUARD, threading.Lock())
+        # stomp.py's own writes (CONNECT, heart-beats, DISCONNECT) join the outbox: in
+        # order with ours, and never waiting behind a write the broker does not take.
+        connection.transport.send = self._stomp_writes
         connection.set_listener("hafailover", _Listener(self))
         self._connection = connection
         headers: dict[str, str] = {}
@@ -354,25 +368,56 @@ class StompTransport:
         )
 
     def write(self, command: str, headers: Mapping[str, str], body: bytes = b"") -> int:
-        """Write one frame; return its size in bytes (for the confirmation window)."""
-        connection = self._connection
-        if connection is None or self.broker is None:
-            raise NotConnectedError("the transport is not open")
+        """Queue one frame for the outbox; return its size in bytes (for the window)."""
         frame = encode_frame(command, headers, body)
-        with _map_errors(self.broker):
-            _put(connection.transport, frame)
+        self._queue(frame)
         return len(frame)
 
     def write_frames(self, frames: Sequence[tuple[str, Mapping[str, str], bytes]]) -> list[int]:
-        """Write several frames in one socket write (a small frame written right after
-        another would wait for the peer's delayed acknowledgement); their sizes."""
-        connection = self._connection
-        if connection is None or self.broker is None:
-            raise NotConnectedError("the transport is not open")
+        """Queue several frames as one write (a small frame written right after another
+        would wait for the peer's delayed acknowledgement); their sizes."""
         encoded = [encode_frame(command, headers, body) for command, headers, body in frames]
-        with _map_errors(self.broker):
-            _put(connection.transport, b"".join(encoded))
+        self._queue(b"".join(encoded))
         return [len(frame) for frame in encoded]
+
+    def flush(self) -> None:
+        """Write what is queued (outside every lock but the outbox's own)."""
+        self._outbox.flush()
+
+    def _queue(self, data: bytes) -> None:
+        if self._connection is None or self.broker is None:
+            raise NotConnectedError("the transport is not open")
+        if self._lost_reported:
+            # Known gone: the caller hears it now, as from a write that failed.
+            raise NotConnectedError(f"{self._broker_text()}: the connection is gone")
+        self._outbox.put(data)
+        if self._flush_later is None:
+            self._outbox.flush()
+        else:
+            self._flush_later(self._outbox.flush)
+
+    def _stomp_writes(self, data: bytes) -> None:
+        """stomp.py's ``send``: its frames join the outbox (its threads hold no lock)."""
+        self._outbox.put(data)
+        self._outbox.flush()
+
+    def _put(self, data: bytes) -> None:
+        """The outbox's write (under its write lock only)."""
+        connection = self._connection
+        if connection is None:
+            raise stomp.exception.NotConnectedException()
+        _put(connection.transport, data)
+
+    def _write_failed(self, error: Exception) -> None:
+        """A write failed: the connection is lost (once), and its socket is shut so the
+        reader ends too."""
+        reason = error if str(error) else type(error).__name__
+        self._lost(f"writing failed: {reason}")
+        connection = self._connection
+        sock = getattr(connection.transport, "socket", None) if connection is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Say goodbye (DISCONNECT) and close; the session ends on the broker."""
