@@ -11,8 +11,11 @@ they decide, and is the only place with locks, threads and clocks.
 
 - One condition (``_cond``, over a re-entrant lock) guards the connection's state: the two
   pure parts, the current link, and every session's and consumer's buffers. Decisions are
-  made under it; STOMP frames are written under it so command ids follow wire order; calls
-  that block on the broker (the links whose ``calls_block`` is set) are made outside it.
+  made under it; frames are queued in the link's outbox under it (so command ids follow
+  wire order) and written once the thread lets go of it, under the outbox's own write
+  lock (``protocols/outbox.py``, docs/core.md "Decide under the lock, write outside it");
+  calls that block on the broker (the links whose ``calls_block`` is set) are made
+  outside it.
 - Stop the world (F1): every call that needs the network first asks ``machine.admit()``
   and waits on the condition while the connection fails over or is being restored.
 - Any notice of a lost link, from the reader, a heartbeat, or a failed write on an
