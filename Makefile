@@ -60,9 +60,11 @@ fault-tools:
 	fi
 
 # HAFAILOVER_CHAOS_SEED=N replays a schedule; HAFAILOVER_CHAOS_DURATION sets its length.
+# The nodes' logs of the last run stay in .data/chaos.
 chaos: $(STAMPS)/venv fault-tools
 	HAFAILOVER_CHAOS_DURATION=$${HAFAILOVER_CHAOS_DURATION:-600} \
-		$(PY) -m pytest -q -s -p no:cacheprovider tests/faults/test_nemesis.py $(PYTEST_ARGS)
+		$(PY) -m pytest -q -s -p no:cacheprovider --basetemp=.data/chaos \
+		tests/faults/test_nemesis.py $(PYTEST_ARGS)
 
 # The same tests under the "deep" Hypothesis profile of tests/conftest.py.
 test-deep: $(STAMPS)/venv

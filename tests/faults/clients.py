@@ -251,6 +251,8 @@ class AckConsumer(Client):
         self.acknowledged: list[int] = []
         self.in_doubt: list[int] = []
         self.suppressed = 0
+        # (when, seq, broker, redelivered) of every acknowledge that returned
+        self.log: list[tuple[float, int, str, bool]] = []
 
     def work(self, connection: hafailover.Connection) -> None:
         session = connection.create_session(AckMode.CLIENT)
@@ -282,13 +284,12 @@ class AckConsumer(Client):
                 with self.lock:
                     self.in_doubt.append(seq)
                 continue
-            if seq not in done:
-                done.add(seq)
-                with self.lock:
-                    self.acknowledged.append(seq)
-            else:
-                with self.lock:
-                    self.acknowledged.append(seq)  # counted: a duplicate the broker handed out
+            done.add(seq)  # a second one is counted: a duplicate the broker handed out
+            with self.lock:
+                self.acknowledged.append(seq)
+                self.log.append(
+                    (time.monotonic(), seq, connection.broker or "", message.redelivered)
+                )
 
 
 @attrs.frozen

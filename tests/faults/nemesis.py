@@ -31,7 +31,7 @@ from collections.abc import Callable
 import attrs
 
 from reference_broker import BrokerPair
-from reference_broker.pair import NodeProcess
+from reference_broker.pair import NodeProcess, PairError
 
 from .netns import Network
 
@@ -49,6 +49,7 @@ FAULTS = (
 )
 HOLD = (0.5, 3.0)  # seconds a fault is held, drawn uniformly
 QUIET = (1.0, 3.0)  # seconds of calm after a heal
+SETTLE = 60.0  # seconds a pair may take to be live with a synchronized backup after a heal
 
 
 @attrs.frozen
@@ -92,11 +93,15 @@ class Nemesis:
         self.clients = clients
         self.log = log
         self.applied: list[tuple[Step, str, float]] = []  # (step, victim, when)
+        self.settle_times: list[float] = []  # how long the pair took to be whole again
 
     def run(self, steps: list[Step], started: float) -> None:
+        """Apply ``steps``; each starts at its time after ``started``, or once the pair is
+        whole again if that takes longer (then the rest of the schedule moves later)."""
+        lag = 0.0
         for step in steps:
-            self._settle(deadline=started + step.at + 15)
-            delay = started + step.at - time.monotonic()
+            lag += self._settle()
+            delay = started + lag + step.at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
             victim = self.pair.live
@@ -107,11 +112,22 @@ class Nemesis:
                 time.sleep(step.hold)
             finally:
                 heal()
-        self._settle(deadline=time.monotonic() + 30)
+        self._settle()
 
-    def _settle(self, deadline: float) -> None:
-        """Wait until the pair is live with a synchronized backup, or the deadline."""
-        self.pair.wait_synchronized(max(1.0, deadline - time.monotonic()))
+    def _settle(self) -> float:
+        """Wait until the pair is live with a synchronized backup; how long it took. A pair
+        that is not whole again within SETTLE seconds of a heal is a failure."""
+        began = time.monotonic()
+        try:
+            self.pair.wait_synchronized(SETTLE)
+        except PairError as exc:
+            raise AssertionError(
+                f"the pair was not whole again {SETTLE}s after the last heal "
+                f"({self.applied[-1:]}): {exc}\n{_tails(self.pair)}"
+            ) from exc
+        took = time.monotonic() - began
+        self.settle_times.append(took)
+        return took
 
     def _apply(self, fault: str, victim: NodeProcess) -> Callable[[], None]:
         pair, network = self.pair, self.network
@@ -138,3 +154,14 @@ class Nemesis:
         else:
             raise ValueError(f"unknown fault {fault!r}; the faults are {FAULTS}")
         return network.heal
+
+
+def _tails(pair: BrokerPair, lines: int = 15) -> str:
+    out = []
+    for node in pair.nodes:
+        try:
+            text = node.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            text = [f"(no log: {exc})"]
+        out.append(f"--- {node.name} {node.status()} ---\n" + "\n".join(text))
+    return "\n".join(out)

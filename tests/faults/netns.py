@@ -50,6 +50,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -265,10 +266,17 @@ def cut_directory(pid: int, path: str) -> None:
     remounted read-only, in that process's mount namespace (``ip netns exec`` gives every
     node one of its own, whose mounts do not propagate back). Its writes then fail with
     EROFS, as a shared disk that went away fails them; every other process still writes."""
-    _run(
-        "nsenter", "-t", str(pid), "-m", "--", "sh", "-c",
-        f"mount --bind '{path}' '{path}' && mount -o remount,bind,ro '{path}'",
-    )  # fmt: skip
+    _run("nsenter", "-t", str(pid), "-m", "--", "mount", "--bind", path, path)
+    # The remount fails with EBUSY while the process has a file there open for writing (a
+    # lease being written): try again a moment later.
+    for attempt in range(50):
+        try:
+            _run("nsenter", "-t", str(pid), "-m", "--", "mount", "-o", "remount,bind,ro", path)
+            break
+        except NetnsError:
+            if attempt == 49:
+                raise
+            time.sleep(0.01)
     own = _run("nsenter", "-t", str(pid), "-m", "--", "cat", "/proc/self/mounts")
     host = _run("cat", "/proc/self/mounts")
     if f" {path} " not in own or f" {path} " in host:

@@ -84,7 +84,8 @@ def test_nemesis(fault_pair: BrokerPair, network: Network, protocol: str) -> Non
     print(
         f"chaos [{protocol}] seed {SEED}: {len(steps)} faults in "
         f"{time.monotonic() - started:.0f}s; {verdict.line()} suppressed="
-        f"{consumer.suppressed} longest stall={stall:.2f}s failovers "
+        f"{consumer.suppressed} longest stall={stall:.2f}s longest heal="
+        f"{max(nemesis.settle_times, default=0):.1f}s failovers "
         + " ".join(f"{c.name}={c.failovers}" for c in clients)
     )
     verdict.assert_clean()
