@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 pytest.importorskip("pyspark")
@@ -21,7 +23,9 @@ from pyspark.sql.types import (
 
 from hafailover.errors import ConfigurationError
 from hafailover.spark import DeliveryGuarantee, SinkOptions
+from hafailover.spark._report import ORDER_WARNING
 from hafailover.spark._rows import ColumnPlan, plan_columns
+from hafailover.spark.datasource import HaFailoverDataSource
 
 pytestmark = [pytest.mark.spark]
 
@@ -172,3 +176,29 @@ def test_positional_ids_and_a_key_together_are_refused() -> None:
         )
     plan = plan_columns(schema(("body", StringType())), options(positional_ids="true"))
     assert plan == ColumnPlan(body="body")
+
+
+@pytest.mark.parametrize(
+    ("given", "fields", "warned"),
+    [
+        ({"positional_ids": "true"}, (("body", StringType()),), True),
+        ({}, (("body", StringType()),), False),
+        (
+            {"positional_ids": "true", "delivery_guarantee": "at_least_once"},
+            (("body", StringType()),),
+            False,
+        ),
+        ({}, (("body", StringType()), ("key", StringType())), False),
+    ],
+)
+def test_a_write_whose_ids_depend_on_order_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+    given: dict[str, str],
+    fields: tuple[tuple[str, object], ...],
+    warned: bool,
+) -> None:
+    source = HaFailoverDataSource({"url": URL, "destination": "queue://orders", **given})
+    with caplog.at_level(logging.WARNING, logger="hafailover.spark"):
+        source.writer(schema(*fields), overwrite=False)
+        source.streamWriter(schema(*fields), overwrite=False)
+    assert [r.getMessage() for r in caplog.records] == [ORDER_WARNING] * (2 if warned else 0)

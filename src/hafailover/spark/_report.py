@@ -18,9 +18,11 @@ from typing import Any
 
 from pyspark.sql.datasource import WriterCommitMessage
 
+from hafailover.spark._options import DeliveryGuarantee, SinkOptions
+from hafailover.spark._rows import ColumnPlan
 from hafailover.spark._worker import PartitionResult
 
-__all__ = ["BatchReport", "SinkCommit", "log_report"]
+__all__ = ["ORDER_WARNING", "BatchReport", "SinkCommit", "log_report", "warn_if_order_matters"]
 
 logger = logging.getLogger("hafailover.spark")
 
@@ -123,3 +125,25 @@ def log_report(report: BatchReport, commit_log: str | None, *, in_worker: bool) 
     if commit_log:
         with Path(commit_log).open("a", encoding="utf-8") as file:
             file.write(json.dumps(report.as_dict(), sort_keys=True) + "\n")
+
+
+# The data source is given the schema, never the query plan, so the sink cannot tell whether
+# a retry would see the same order: it warns whenever positional ids were chosen.
+ORDER_WARNING = (
+    "hafailover sink: exactly_once without a key and with positional_ids=true: a row's "
+    "duplicate id is its position in its partition, so a task retry or a re-run batch that "
+    "sees its rows in another order (any shuffle) sends a row under another row's id and the "
+    "broker drops it (one row lost, one stored twice); give a key column, or leave "
+    "positional_ids out (ids from the row's content)"
+)
+
+
+def warn_if_order_matters(options: SinkOptions, plan: ColumnPlan) -> None:
+    """Log ``ORDER_WARNING`` when this write's ids depend on the order of rows."""
+    if (
+        options.delivery_guarantee is DeliveryGuarantee.EXACTLY_ONCE
+        and plan.key is None
+        and options.positional_ids
+    ):
+        # The writer is made in a Python process Spark starts next to the driver.
+        _worker_logger().warning(ORDER_WARNING)

@@ -34,7 +34,7 @@ from pyspark.sql.types import StructType
 
 from hafailover.errors import ConfigurationError, IllegalStateError
 from hafailover.spark._options import SinkOptions
-from hafailover.spark._report import BatchReport, SinkCommit, log_report
+from hafailover.spark._report import BatchReport, SinkCommit, log_report, warn_if_order_matters
 from hafailover.spark._rows import ColumnPlan, plan_columns
 from hafailover.spark._worker import BATCH_ID_PROPERTY, QUERY_ID_PROPERTY, local_property
 from hafailover.spark._worker import write_partition as _write_partition
@@ -58,7 +58,9 @@ class HaFailoverDataSource(DataSource):
 
     def _checked(self, schema: StructType) -> tuple[SinkOptions, ColumnPlan]:
         options = SinkOptions.parse(self.options)
-        return options, plan_columns(schema, options)
+        plan = plan_columns(schema, options)
+        warn_if_order_matters(options, plan)
+        return options, plan
 
     def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:
         if overwrite:
