@@ -76,7 +76,8 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
 ) -> None:
     pair = live_disk_pair
     queue = "queue://disk-full-live"
-    url = url_for(pair, protocol, reconnect_attempts=-1)
+    # A kill is seen by a reset: a 250 ms heart-beat only adds false failovers under load.
+    url = url_for(pair, protocol, reconnect_attempts=-1, heartbeat="1s")
     producer = ConfirmedProducer(url, queue, body=BODY)
     consumer = AckingConsumer(url, queue)
     hog = DiskHog(pair.live.data_dir)
@@ -105,7 +106,7 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
     finally:
         hog.release()
         stop_all(producer, consumer)
-    outcome = check(url, queue, producer, consumer)
+    outcome = check(pair, protocol, queue, producer, consumer)
     print(
         "\n"
         + outcome.line("live's disk full", protocol)
@@ -123,7 +124,7 @@ def test_a_full_disk_on_the_backup_is_never_counted_as_a_copy(
     pair = backup_disk_pair
     live, backup = pair.nodes
     queue = "queue://disk-full-backup"
-    url = url_for(pair, protocol, reconnect_attempts=-1)
+    url = url_for(pair, protocol, reconnect_attempts=-1, heartbeat="1s")
     producer = ConfirmedProducer(url, queue, body=BODY)
     hog = DiskHog(backup.data_dir)
     producer.start()
@@ -151,7 +152,7 @@ def test_a_full_disk_on_the_backup_is_never_counted_as_a_copy(
     finally:
         hog.release()
         stop_all(producer)
-    outcome = check(url, queue, producer)
+    outcome = check(pair, protocol, queue, producer)
     print("\n" + outcome.line("backup's disk full, then the live killed", protocol))
     outcome.assert_clean()
 

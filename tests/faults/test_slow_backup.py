@@ -161,7 +161,7 @@ def test_a_backup_paused_again_and_again_holds_confirmations_back_and_loses_noth
         load.join(60)
         stop_all(producer, consumer)
     assert not load.is_alive() and load.error is None, load.error
-    outcome = check(url, QUEUE, producer, consumer, others=(load,))
+    outcome = check(pair, protocol, QUEUE, producer, consumer, others=(load,))
     growth = max(samples) - warm
     stored = outcome.received - len(consumer.acknowledged)  # drained at the end
     bound = TOTAL_GROWTH + PER_STORED_MESSAGE * stored
