@@ -23,7 +23,9 @@ client that reconnects many times pays the key-derivation cost once.
   of connections opened at once with the right password all get in.
 - A login the process already verified (same user, same password) is accepted at once, even
   for a key in penalty: a flood of wrong passwords does not lock out clients that were in.
-- At most ``max_pending`` derivations wait for the worker; an attempt past that is refused.
+- At most ``max_pending`` derivations wait for the worker; an attempt past that is refused,
+  and so is one that waited ``max_wait`` seconds for the worker (on a starved machine the
+  queue is slower than its length says): every attempt is answered within about max_wait.
 
 What it never does: block the loop, keep a password, or tell a wrong password from an unknown
 user in what it answers or how long it takes.
@@ -177,6 +179,7 @@ class LoginPolicy:
     max_delay: float = 5.0
     forget_after: float = 60.0
     max_pending: int = 64
+    max_wait: float = 5.0
 
     def __attrs_post_init__(self) -> None:
         if not 0 < self.base_delay <= self.max_delay:
@@ -191,6 +194,8 @@ class LoginPolicy:
             )
         if self.max_pending < 1:
             raise ValueError(f"login max_pending must be at least 1, not {self.max_pending}")
+        if not self.max_wait > 0:
+            raise ValueError(f"login max_wait must be positive, not {self.max_wait}")
 
     def delay(self, failures: int) -> float:
         if failures <= 0:
@@ -202,7 +207,9 @@ class LoginPolicy:
 class _Key:
     failures: int = 0
     last_failure: float = 0.0
-    busy: asyncio.Future[None] | None = None  # a derivation in flight on this key
+    # A derivation in flight on this key; its result: whether it ran (False: skipped, the
+    # worker was overloaded).
+    busy: asyncio.Future[bool] | None = None
 
 
 class LoginGuard:
@@ -223,6 +230,7 @@ class LoginGuard:
         self._executor: ThreadPoolExecutor | None = None
         self.derivations = 0  # how many key derivations ran (tests and status read it)
         self.throttled = 0  # attempts refused in a penalty, without a derivation
+        self.overloaded = 0  # attempts refused after max_wait in the queue, without one
 
     def close(self) -> None:
         if self._executor is not None:
@@ -255,6 +263,11 @@ class LoginGuard:
             await asyncio.wait(busy)
             if self.users.verified_before(name, password):
                 return True
+            if not all(b.result() for b in busy):
+                # The worker is overloaded: a new derivation on these keys would wait in the
+                # same queue (and keep its key busy) for nothing.
+                self.overloaded += 1
+                return False
         now = self._clock()
         penalty = max(self._penalty_end(key) for key in keys) - now
         if penalty > 0:
@@ -270,7 +283,7 @@ class LoginGuard:
         # a derivation meanwhile. The derivation and its bookkeeping run in a task of their
         # own: a client that hangs up at once still pays for its attempt in penalty.
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[bool] = loop.create_future()
         for key in keys:
             self._key(key).busy = done
         self._pending += 1
@@ -281,17 +294,27 @@ class LoginGuard:
         return False
 
     async def _derive(
-        self, name: str, password: str, keys: list[tuple[str, str]], done: asyncio.Future[None]
+        self, name: str, password: str, keys: list[tuple[str, str]], done: asyncio.Future[bool]
     ) -> bool:
+        queued = self._clock()
+
+        def verify() -> bool | None:
+            if self._clock() - queued > self.policy.max_wait:
+                return None  # too late to be worth the CPU: refused, no failure counted
+            return self.users.verify(name, password)
+
+        ok: bool | None = None
         try:
-            ok = await asyncio.get_running_loop().run_in_executor(
-                self._worker(), self.users.verify, name, password
-            )
+            ok = await asyncio.get_running_loop().run_in_executor(self._worker(), verify)
         finally:
             self._pending -= 1
             for key in keys:
                 self._key(key).busy = None
-            done.set_result(None)
+            done.set_result(ok is not None)
+        if ok is None:
+            self.overloaded += 1
+            log.warning("login of %r refused: waited %.1fs for a check", name, self.policy.max_wait)
+            return False
         self.derivations += 1
         if not ok:
             now = self._clock()

@@ -46,19 +46,20 @@ def _sasl_plain(user: str, password: str) -> bytes:
     return SASL_HEADER + encode_sasl_frame(SASL_INIT, [symbol("PLAIN"), response, "localhost"])
 
 
-async def _attempt(port: int, source: str, payload: bytes, refusal: bytes) -> bool:
-    """Send one login; True if the broker answered with ``refusal`` and closed."""
+async def _attempt(port: int, source: str, payload: bytes, refusal: bytes) -> bytes | None:
+    """Send one login; None if the broker answered with ``refusal`` and closed, else what
+    it answered."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     try:
         writer.write(payload)
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 60)  # to the end: the broker closes
-        return refusal in answer
+        return None if refusal in answer else answer
     finally:
         writer.close()
 
 
-async def _flood(stomp_port: int, amqp_port: int) -> list[bool | BaseException]:
+async def _flood(stomp_port: int, amqp_port: int) -> list[bytes | BaseException | None]:
     attempts = []
     for i in range(ATTEMPTS):
         source = f"127.0.1.{1 + i % SOURCES}"
@@ -84,7 +85,8 @@ def test_a_thousand_wrong_logins_at_once_cause_no_failover(tmp_path: Path) -> No
         elapsed = time.monotonic() - started
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         assert not errors, errors[:5]
-        assert all(outcomes), f"{outcomes.count(False)} attempts were not refused"
+        unrefused = [o for o in outcomes if o is not None]
+        assert not unrefused, f"{len(unrefused)} attempts not refused, e.g. {unrefused[:3]}"
         # The pair is as it was: same live process, the backup still synchronized.
         assert live.pid == pid and live.role == "live"
         pair.wait_synchronized(10)

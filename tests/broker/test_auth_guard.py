@@ -207,6 +207,7 @@ def test_anonymous_only_where_allowed(users: UsersFile) -> None:
         ({"base_delay": 2, "max_delay": 1}, "max_delay"),
         ({"forget_after": 1, "max_delay": 5}, "forget_after"),
         ({"max_pending": 0}, "max_pending"),
+        ({"max_wait": 0}, "max_wait"),
     ],
 )
 def test_a_bad_policy_is_refused_by_name(kwargs: dict[str, float], message: str) -> None:
@@ -234,3 +235,30 @@ def test_a_client_that_hangs_up_during_its_check_still_pays_for_it(
     guard = asyncio.run(main())
     assert len(derivations) == 1
     assert guard.throttled == 1
+
+
+def test_checks_that_waited_past_max_wait_are_refused_without_a_derivation(
+    users: UsersFile, derivations: list[tuple[str, int]]
+) -> None:
+    async def main() -> tuple[list[bool], LoginGuard]:
+        guard = LoginGuard(users, LoginPolicy(base_delay=0.05, max_delay=0.4, max_wait=0.01))
+        try:
+            # Different users and sources: nothing throttles; the second and third wait for
+            # the worker while the first one's derivation (tens of ms) runs.
+            results = await asyncio.gather(
+                guard.check("alice", "right", "10.0.8.1:1"),
+                guard.check("bob", "also-right", "10.0.8.2:1"),
+                guard.check("carol", "x", "10.0.8.3:1"),
+                # Waits for bob's check on its keys, which the overload skips: refused too,
+                # rather than queued again.
+                guard.check("bob", "also-right", "10.0.8.2:2"),
+            )
+        finally:
+            guard.close()
+        return list(results), guard
+
+    users._verified.clear()
+    results, guard = asyncio.run(main())
+    assert results == [True, False, False, False]
+    assert len(derivations) == 1
+    assert guard.overloaded == 3
