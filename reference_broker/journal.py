@@ -39,7 +39,8 @@ Each segment's blocks are reserved on disk when it is created (fallocate with
 FALLOC_FL_KEEP_SIZE: the file's length is what was written, so nothing below changes), so an
 append into the active segment never fails for space. Only a new segment needs new space; if
 the disk cannot hold one, the append raises `JournalFullError` having written nothing, and the
-journal stays open (`room` says how much still fits the active segment). Segments are created
+journal stays open (`room` says how much still fits the active segment). What a segment did
+not use is given back when it is sealed and when the journal closes. Segments are created
 whole (header written to a .tmp file, fsynced, renamed, directory fsynced),
 so a segment file with a missing or short header did not come from a crash under a durable policy;
 a .tmp file left by a crash is deleted at open. Compaction rewrites a segment the same way.
@@ -486,6 +487,14 @@ def _preallocate(fd: int, size: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
+def _release_reserve(file: BinaryIO, size: int) -> None:
+    """Give back the blocks reserved past a segment's end (it is sealed, or the journal
+    closes): cutting the file to its own length frees them. Only after a flush that worked,
+    so that ``size`` is the file's length; best effort."""
+    with contextlib.suppress(OSError, ValueError):
+        os.ftruncate(file.fileno(), size)
+
+
 def _lock_directory(directory: Path) -> int:
     fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
     try:
@@ -791,6 +800,7 @@ class Journal:
             if exc.errno == errno.ENOSPC:
                 raise JournalFullError(self._directory, exc) from exc
             raise
+        _release_reserve(self._file, self._segments[-1].size)
         self._file.close()
         self._file = file
         self._next_number += 1
@@ -970,6 +980,7 @@ class Journal:
             self._file.flush()
             if self._policy.durable:
                 _flush_to_disk(self._file.fileno())
+            _release_reserve(self._file, self._segments[-1].size)
         finally:
             with contextlib.suppress(OSError):
                 self._file.close()
@@ -1017,7 +1028,12 @@ def _create_segment(
     if path.exists():
         raise FileExistsError(f"{path} exists already")
     temp = path.with_name(path.name + ".tmp")
+    # Left by an attempt that failed without cleaning up (only this journal, under its lock,
+    # makes them): a full disk retried must not find it in the way.
+    with contextlib.suppress(FileNotFoundError):
+        temp.unlink()
     file = open(temp, "x+b", buffering=_WRITE_BUFFER, opener=private_opener)  # noqa: SIM115
+    renamed = False
     try:
         file.write(_segment_header(number, prev_seq))
         file.flush()
@@ -1025,12 +1041,16 @@ def _create_segment(
         if durable:
             _flush_to_disk(file.fileno())
         temp.rename(path)  # the open handle follows the file
+        renamed = True
         if durable:
             sync_directory(directory)
     except BaseException:
-        file.close()
+        # Closing flushes what is buffered, which fails again on a full disk: the file is
+        # closed all the same, and must still be removed.
         with contextlib.suppress(OSError):
-            temp.unlink()
+            file.close()
+        with contextlib.suppress(OSError):
+            (path if renamed else temp).unlink()
         raise
     return _Segment(number, path, prev_seq, SEGMENT_HEADER_SIZE), file
 

@@ -26,7 +26,7 @@ import pytest
 
 from reference_broker import BrokerPair
 from reference_broker.engine import DiskFullError, Engine
-from reference_broker.journal import Journal, SyncPolicy
+from reference_broker.journal import Journal, JournalFullError, SyncPolicy
 from reference_broker.node import Checkpointer
 from reference_broker.store import Store
 from tests.integration.support import url_for, wait_until
@@ -212,3 +212,36 @@ async def _checkpoint_retried(directory: Path) -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await store.close()
+
+
+def test_a_journal_with_no_room_for_a_segment_stays_open_and_whole(tmp_path: Path) -> None:
+    """A full disk: the append that needs a new segment raises JournalFullError having
+    written nothing; appends that fit the active segment (its blocks were reserved when it
+    was made) still work; once space returns the refused append succeeds, and a reopened
+    journal holds every record appended, in order. Closing gives the unused reserve back."""
+    directory = tmp_path / "disk"
+    segment = 64 * 1024
+    with small_disk(directory, 1024 * 1024):
+        journal = Journal.open(
+            directory / "journal", sync=SyncPolicy.always(), segment_size=segment
+        )
+        hog = DiskHog(directory).start()
+        try:
+            appended = []
+            while journal.room >= 1000 + 19:
+                appended.append(journal.append(1, b"a" * 1000))  # within the reserve
+            last = journal.last_seq
+            with pytest.raises(JournalFullError, match="no space left for a new journal segment"):
+                journal.append(1, b"b" * 1000)
+            assert journal.last_seq == last and not journal.closed
+            appended.append(journal.append(1, b"c" * (journal.room - 19)))  # fills it exactly
+            hog.release()
+            appended.append(journal.append(1, b"b" * 1000))  # a new segment now
+            assert len(journal.segments) == 2
+        finally:
+            hog.release()
+            journal.close()
+        active = journal.segments[-1].path
+        assert active.stat().st_blocks * 512 < segment / 2, "the reserve was not given back"
+        with Journal.open(directory / "journal", sync=SyncPolicy.always()) as reopened:
+            assert [r.seq for r in reopened.replay()] == appended
