@@ -287,17 +287,20 @@ class LoginGuard:
         for key in keys:
             self._key(key).busy = done
         self._pending += 1
-        derivation = loop.create_task(self._derive(name, password, keys, done))
+        derivation = loop.create_task(self._derive(name, password, keys, done, self._clock()))
         if await asyncio.shield(derivation):
             return True
         await asyncio.sleep(max(self._penalty_end(key) for key in keys) - self._clock())
         return False
 
     async def _derive(
-        self, name: str, password: str, keys: list[tuple[str, str]], done: asyncio.Future[bool]
+        self,
+        name: str,
+        password: str,
+        keys: list[tuple[str, str]],
+        done: asyncio.Future[bool],
+        queued: float,
     ) -> bool:
-        queued = self._clock()
-
         def verify() -> bool | None:
             if self._clock() - queued > self.policy.max_wait:
                 return None  # too late to be worth the CPU: refused, no failure counted
