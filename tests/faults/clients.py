@@ -47,6 +47,7 @@ FAST = {
     "max_retry_interval": "250ms",
     "reconnect_attempts": "-1",
 }
+DRAIN_LIMIT = 900.0  # seconds
 # How long a call blocked by a failover may wait before it is released.
 CALL_FAILOVER_TIMEOUT = 2.0
 
@@ -324,8 +325,12 @@ def drain(netns: str, url: str, queue: str, *, idle: float = 1.0) -> list[int]:
         session = connection.create_session(AckMode.DUPS_OK)
         consumer = session.create_consumer(queue, prefetch=500)
         connection.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        # A long chaos run leaves tens of thousands: drain until idle, however long that is,
+        # but never stop early in silence (that would count the rest as lost).
+        deadline = time.monotonic() + DRAIN_LIMIT
+        while True:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{queue} not drained after {DRAIN_LIMIT}s")
             message = consumer.receive(idle if received else max(idle, 3.0))
             if message is None:
                 break
