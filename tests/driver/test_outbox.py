@@ -3,6 +3,8 @@ flushes it once the lock is let go (docs/core.md, "Decide under the lock, write 
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 
 import pytest
@@ -116,4 +118,85 @@ def test_a_failed_write_is_reported_once_and_what_follows_is_dropped() -> None:
     outbox.flush()
     assert attempts == [b"one"]
     assert len(failures) == 1 and isinstance(failures[0], BrokenPipeError)
+    assert not outbox.pending
+
+
+def test_a_heart_beat_never_blocks_on_a_full_socket_nor_behind_a_writer() -> None:
+    """stomp.py's heart-beat thread also watches the broker's heart-beats: it must never
+    block, whether the socket is full or another thread is stuck writing."""
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    with contextlib.suppress(BlockingIOError):
+        while True:  # a peer that stops reading: fill the buffers
+            ours.send(b"x" * 4096, socket.MSG_DONTWAIT)
+    try:
+        outbox = Outbox(ours.sendall, lambda error: None)
+
+        def write_now(data: bytes) -> bool:
+            try:
+                return ours.send(data, socket.MSG_DONTWAIT) == len(data)
+            except BlockingIOError:
+                return False
+
+        beat = threading.Thread(target=outbox.offer, args=(b"\n", write_now), daemon=True)
+        beat.start()
+        beat.join(5)
+        assert not beat.is_alive(), "a heart-beat blocked on a full socket"
+        assert not outbox.pending  # dropped: a full socket is not an idle one
+    finally:
+        ours.close()
+        peer.close()
+
+
+def test_a_heart_beat_offered_while_another_thread_writes_follows_its_bytes() -> None:
+    written: list[bytes] = []
+    first = threading.Event()
+    release = threading.Event()
+
+    def write(data: bytes) -> None:
+        if not first.is_set():
+            first.set()
+            release.wait(10)
+        written.append(data)
+
+    outbox = Outbox(write, lambda error: None)
+    outbox.put(b"SEND")
+    stuck = threading.Thread(target=outbox.flush, daemon=True)
+    stuck.start()
+    assert first.wait(5)
+    offered: list[bytes] = []
+    outbox.offer(b"\n", lambda data: offered.append(data) is None)
+    assert offered == []  # not written past the writer: queued behind it
+    release.set()
+    stuck.join(5)
+    assert written == [b"SEND", b"\n"]
+
+
+def test_a_heart_beat_on_an_idle_outbox_is_written_at_once() -> None:
+    outbox = Outbox(lambda data: None, lambda error: None)
+    offered: list[bytes] = []
+    outbox.offer(b"\n", lambda data: offered.append(data) is None)
+    assert offered == [b"\n"]
+    assert not outbox.pending
+
+
+def test_a_flush_that_may_not_wait_leaves_the_rest_first_in_line() -> None:
+    """The AMQP reader never blocks in a write: what the socket does not take now stays
+    first in the outbox, even half a frame, and leaves before anything queued later."""
+    written: list[bytes] = []
+    room = [3]
+
+    def write_some(data: bytes | memoryview) -> int:
+        taken = bytes(data[: room[0]])
+        room[0] = 0
+        written.append(taken)
+        return len(taken)
+
+    outbox = Outbox(lambda data: written.append(bytes(data)), lambda error: None, write_some)
+    outbox.put(b"FRAME-1")
+    outbox.flush(wait=False)
+    assert written == [b"FRA"] and outbox.pending
+    outbox.put(b"FRAME-2")
+    outbox.flush()  # a writer that may wait
+    assert b"".join(written) == b"FRAME-1FRAME-2"
     assert not outbox.pending

@@ -38,10 +38,10 @@ BIG = 8 * 1024 * 1024
 # Room for it in the confirmation window: the send is written, not held back for room.
 WINDOW = "64MiB"
 # The client's heart-beat, and the pair's: each side hangs up after about two silent
-# periods, so a send stays stuck for seconds before the connection is lost (and a reader
-# that works has time to show it).
-HEARTBEAT = 3.0
-BROKER_HEARTBEAT = 4.0
+# periods, so a send stays stuck for about ten seconds before the connection is lost (and
+# a reader that works has time to show it, even on a loaded machine).
+HEARTBEAT = 5.0
+BROKER_HEARTBEAT = 10.0
 # From the broker's hang-up to the stuck send released: loss noticed, reconnected, replayed.
 FAILOVER_BOUND = 30.0
 

@@ -24,7 +24,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-__all__ = ["Outbox"]
+__all__ = ["Chunk", "Outbox"]
+
+# What the outbox holds: a frame's bytes, or what a partial write left of them.
+Chunk = bytes | memoryview
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +35,60 @@ log = logging.getLogger(__name__)
 class Outbox:
     """Frames queued in order, written by whichever thread holds the write lock."""
 
-    __slots__ = ("_broken", "_failed", "_queue", "_write", "_write_lock")
+    __slots__ = ("_broken", "_failed", "_queue", "_write", "_write_lock", "_write_some")
 
-    def __init__(self, write: Callable[[bytes], None], failed: Callable[[Exception], None]) -> None:
-        """``write`` puts bytes on the wire (blocking); ``failed`` hears the first error."""
-        self._queue: collections.deque[bytes] = collections.deque()
+    def __init__(
+        self,
+        write: Callable[[Chunk], None],
+        failed: Callable[[Exception], None],
+        write_some: Callable[[Chunk], int] | None = None,
+    ) -> None:
+        """``write`` puts bytes on the wire (blocking); ``write_some`` as many as the socket
+        takes at once, returning how many (for ``flush(wait=False)``); ``failed`` hears
+        the first error."""
+        self._queue: collections.deque[Chunk] = collections.deque()
         self._write_lock = threading.Lock()
         self._write = write
+        self._write_some = write_some
         self._failed = failed
         self._broken = False
 
     def put(self, data: bytes) -> None:
         """Queue one frame (or several encoded together): never blocks, never splits it."""
         self._queue.append(data)
+
+    def offer(self, data: bytes, write_now: Callable[[Chunk], bool]) -> None:
+        """For a thread that must never block (stomp.py's heart-beat thread, which also
+        checks the broker's heart-beats): with nothing queued and nobody writing, write
+        ``data`` (a heart-beat, all or nothing) if the socket takes it now, else drop it
+        (a socket whose buffer is full is not idle: no heart-beat is due); otherwise queue
+        it behind what is there, for the thread that writes (or is about to) that."""
+        queue = self._queue
+        if queue or not self._write_lock.acquire(blocking=False):
+            queue.append(data)
+            return
+        error: Exception | None = None
+        try:
+            if not self._broken:
+                try:
+                    write_now(data)
+                except Exception as exc:  # noqa: BLE001 - any write error is the link's loss
+                    self._broken = True
+                    error = exc
+        finally:
+            self._write_lock.release()
+        if error is not None:
+            self._report(error)
+        elif queue:
+            # Queued while the lock was held here: its thread found it taken and left it
+            # to this one (rare: the window is one non-blocking write).
+            self.flush()
+
+    def _report(self, error: Exception) -> None:
+        try:
+            self._failed(error)
+        except Exception:  # the loss path must not fail the caller's call
+            log.exception("reporting a failed write failed")
 
     @property
     def pending(self) -> bool:
@@ -56,18 +100,25 @@ class Outbox:
         """A thread holds the write lock (writing, or stuck writing)."""
         return self._write_lock.locked()
 
-    def flush(self) -> None:
+    def flush(self, *, wait: bool = True) -> None:
         """Write what is queued, unless another thread is writing (it writes these too).
-        Call it with no other lock held: it may block as long as the socket does."""
+        Call it with no other lock held: it may block as long as the socket does.
+
+        ``wait=False``, for a thread that must never block and that comes back when the
+        socket is writable again (the AMQP reader, which polls for it while bytes are
+        pending and nobody writes): write what the socket takes now and leave the rest,
+        even half a frame, first in the outbox."""
         queue = self._queue
+        write_some = None if wait else self._write_some
         while queue:
             if not self._write_lock.acquire(blocking=False):
                 return  # the writer loops until the outbox is empty
             error: Exception | None = None
+            full = False
             try:
                 while queue:
                     data = queue.popleft()
-                    if queue:  # what piled up meanwhile goes in one write
+                    if queue and write_some is None:  # what piled up goes in one write
                         parts = [data]
                         while queue:
                             parts.append(queue.popleft())
@@ -75,15 +126,23 @@ class Outbox:
                     if self._broken:
                         continue
                     try:
-                        self._write(data)
+                        if write_some is None:
+                            self._write(data)
+                            continue
+                        sent = write_some(data)
                     except Exception as exc:  # noqa: BLE001 - any write error is the link's loss
                         self._broken = True
                         error = exc
+                        continue
+                    if sent < len(data):
+                        # Only the lock's holder takes from the left; no copy of the rest.
+                        queue.appendleft(memoryview(data)[sent:])
+                        full = True
+                        break
             finally:
                 self._write_lock.release()
             if error is not None:
-                try:
-                    self._failed(error)
-                except Exception:  # the loss path must not fail the caller's call
-                    log.exception("reporting a failed write failed")
+                self._report(error)
                 return
+            if full:
+                return  # the caller comes back once the socket is writable

@@ -50,7 +50,7 @@ from hafailover.protocols.amqp.engine import (
 )
 from hafailover.protocols.amqp.errors import map_errors
 from hafailover.protocols.base import Opened, TlsOptions
-from hafailover.protocols.outbox import Outbox
+from hafailover.protocols.outbox import Chunk, Outbox
 from hafailover.url import BrokerAddress
 
 __all__ = ["AmqpTransport"]
@@ -62,6 +62,13 @@ T = TypeVar("T")
 # How long a clean close waits for the broker's Close before dropping the socket.
 _CLOSE_GRACE: Final = 2.0
 _READ_SIZE: Final = 256 * 1024
+
+
+def _writable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has room to write now."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    return bool(poller.poll(0))
 
 
 class AmqpTransport:
@@ -95,7 +102,7 @@ class AmqpTransport:
         self._reader: threading.Thread | None = None
         self._dispatching = False
         self._ended = threading.Event()  # the reader has left: the socket is closed
-        self._outbox = Outbox(self._send_bytes, self._write_failed)
+        self._outbox = Outbox(self._send_bytes, self._write_failed, self._send_some)
         self._flush_later = flush_later
 
     @property
@@ -332,13 +339,23 @@ class AmqpTransport:
             self._outbox.put(data)
         return engine.has_events
 
-    def _send_bytes(self, data: bytes) -> None:
+    def _send_bytes(self, data: Chunk) -> None:
         """The outbox's write (under its write lock only). The socket's timeout bounds a
         write the broker does not take."""
         sock = self._socket
         if sock is None:
             raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
         sock.sendall(data)
+
+    def _send_some(self, data: Chunk) -> int:
+        """The reader's write: what the socket takes now, never waiting (a socket with a
+        timeout waits for room before it sends, so room is looked for first)."""
+        sock = self._socket
+        if sock is None:
+            raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
+        if not _writable(sock):
+            return 0
+        return sock.send(data)
 
     def _write_failed(self, error: Exception) -> None:
         """A write failed or did not finish within the idle timeout: the connection's loss,
@@ -357,6 +374,7 @@ class AmqpTransport:
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         engine = self._engine
+        outbox = self._outbox
         try:
             while True:
                 with self._lock:
@@ -364,13 +382,17 @@ class AmqpTransport:
                     self._flush()
                     ended = engine.ended
                 self._dispatch()
-                self._outbox.flush()  # unless another thread is writing: it writes these
+                # Never blocking: what the socket does not take now stays queued, and is
+                # written when it is writable again (or by a writer meanwhile).
+                outbox.flush(wait=False)
                 if ended:
                     return
                 wait = None if not deadline else max(0.0, deadline - time.monotonic())
+                writable = outbox.pending and not outbox.writing
+                poller.modify(sock, select.POLLIN | select.POLLOUT if writable else select.POLLIN)
                 ready = poller.poll(None if wait is None else wait * 1000.0)
-                if not ready:
-                    continue  # proton's deadline: the tick at the top
+                if not any(mask & ~select.POLLOUT for _, mask in ready):
+                    continue  # proton's deadline, or room to write: the top of the loop
                 try:
                     data = sock.recv(_READ_SIZE)
                     reason = "" if data else "closed by the broker"
@@ -384,7 +406,7 @@ class AmqpTransport:
                     self._flush()
                     ended = engine.ended
                 self._dispatch()
-                self._outbox.flush()
+                outbox.flush(wait=False)
                 if ended:
                     return
         except Exception:  # a bug here must end the connection, not leave it hanging

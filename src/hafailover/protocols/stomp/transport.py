@@ -37,7 +37,7 @@ from hafailover.destination import Destination, DestinationKind, parse_destinati
 from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
 from hafailover.message import Message, PropertyValue, stamps_duplicate_id
 from hafailover.protocols.base import Opened, TlsOptions, detects_duplicates, parse_topology
-from hafailover.protocols.outbox import Outbox
+from hafailover.protocols.outbox import Chunk, Outbox
 from hafailover.protocols.stomp.frame import encode_frame
 from hafailover.url import BrokerAddress
 
@@ -188,7 +188,7 @@ def _check_handshake(broker: BrokerAddress, tls: TlsOptions, timeout: float) -> 
         return  # not a TLS matter: the broker is not there
 
 
-def _put(transport: Any, data: bytes) -> None:
+def _put(transport: Any, data: Chunk) -> None:
     """Write bytes the way stomp.py's transport wants them. stomp.py's own path (listeners,
     Frame objects, its encoder) costs more than the rest of a send, so frames go straight to
     its socket (the outbox's write lock is the only writer's lock); but over TLS its reader
@@ -397,16 +397,38 @@ class StompTransport:
             self._flush_later(self._outbox.flush)
 
     def _stomp_writes(self, data: bytes) -> None:
-        """stomp.py's ``send``: its frames join the outbox (its threads hold no lock)."""
+        """stomp.py's ``send``: its frames join the outbox (its threads hold no lock). A
+        heart-beat never blocks its thread, which also watches the broker's heart-beats:
+        blocked in a full socket it could never see a broker gone silent."""
+        if data.strip() == b"":
+            self._outbox.offer(data, self._put_now)
+            return
         self._outbox.put(data)
         self._outbox.flush()
 
-    def _put(self, data: bytes) -> None:
+    def _put(self, data: Chunk) -> None:
         """The outbox's write (under its write lock only)."""
         connection = self._connection
         if connection is None:
             raise stomp.exception.NotConnectedException()
         _put(connection.transport, data)
+
+    def _put_now(self, data: Chunk) -> bool:
+        """Write ``data`` only if the socket takes all of it at once; whether it did."""
+        connection = self._connection
+        if connection is None:
+            raise stomp.exception.NotConnectedException()
+        transport = connection.transport
+        if not transport.blocking:
+            transport.send_queue.put(data)  # TLS: stomp.py's reader writes, never blocking
+            return True
+        sock = transport.socket
+        if sock is None:
+            raise stomp.exception.NotConnectedException()
+        try:
+            return bool(sock.send(data, socket.MSG_DONTWAIT) == len(data))
+        except BlockingIOError:
+            return False
 
     def _write_failed(self, error: Exception) -> None:
         """A write failed: the connection is lost (once), and its socket is shut so the
