@@ -100,8 +100,9 @@ _ACK_MODES: Final = {
     "client-individual": AckMode.CLIENT_INDIVIDUAL,
 }
 _WRITE_HIGH_WATER: Final = 4 * 1024 * 1024
-# Frames a client may pipeline after CONNECT while its password is checked.
+# What a client may pipeline after CONNECT while its password is checked: frames and bytes.
 _MAX_EARLY_FRAMES: Final = 1000
+_MAX_EARLY_BYTES: Final = 1024 * 1024
 
 
 def stomp_destination(destination: str, session: StompSession) -> str:
@@ -212,6 +213,7 @@ class StompConnection(asyncio.Protocol):
         self._paused = False
         self._login: asyncio.Task[None] | None = None  # the CONNECT's password check
         self._early: deque[Frame] | None = None  # frames that came during it
+        self._early_bytes = 0
 
     # --- asyncio callbacks -----------------------------------------------------------------
 
@@ -283,8 +285,12 @@ class StompConnection(asyncio.Protocol):
         command = frame.command
         session = self.session
         if self._early is not None:
-            if len(self._early) >= _MAX_EARLY_FRAMES:
-                self._error(f"more than {_MAX_EARLY_FRAMES} frames before CONNECTED")
+            self._early_bytes += len(frame.body) + sum(len(n) + len(v) for n, v in frame.headers)
+            if len(self._early) >= _MAX_EARLY_FRAMES or self._early_bytes > _MAX_EARLY_BYTES:
+                self._error(
+                    f"more than {_MAX_EARLY_FRAMES} frames or {_MAX_EARLY_BYTES} bytes sent "
+                    "before CONNECTED"
+                )
                 return
             self._early.append(frame)
             return
