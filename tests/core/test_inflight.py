@@ -1,4 +1,4 @@
-"""The sessions core: what a failover does to every call in flight and every session."""
+"""The calls in flight (core/inflight.py): what a failover does to every call and session."""
 
 from __future__ import annotations
 
