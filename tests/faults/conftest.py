@@ -14,9 +14,11 @@ packages when missing. Without them the tests skip with the reason, except in CI
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,18 +79,27 @@ def network() -> Iterator[Network]:
         made.close()
 
 
-@pytest.fixture
-def fault_pair(network: Network, tmp_path: Path) -> Iterator[BrokerPair]:
+@contextlib.contextmanager
+def pair_on(network: Network, path: Path, **options: Any) -> Iterator[BrokerPair]:
+    """A pair whose nodes sit in the endpoints live and backup (added here), plus client
+    endpoints c0 and c1; ``options`` go to BrokerPair."""
     live, backup = network.add("live"), network.add("backup")
     network.add("c0")
     network.add("c1")
     with BrokerPair(
-        tmp_path / "pair",
+        path,
         user="app",
         password="secret",
         heartbeat_timeout=HEARTBEAT_TIMEOUT,
         netns={"live": live.netns, "backup": backup.netns},
         hosts={"live": live.address, "backup": backup.address},
+        **options,
     ) as started:
         started.wait_synchronized(30)
+        yield started
+
+
+@pytest.fixture
+def fault_pair(network: Network, tmp_path: Path) -> Iterator[BrokerPair]:
+    with pair_on(network, tmp_path / "pair") as started:
         yield started

@@ -13,12 +13,14 @@ import itertools
 import os
 import secrets
 import time
+from pathlib import Path
 
 import pytest
 
 from reference_broker import BrokerPair
 
 from .clients import AckConsumer, ConfirmedProducer, TransactedProducer, check, drain
+from .conftest import pair_on
 from .nemesis import FAULTS, Nemesis, schedule
 from .netns import Network
 from .test_network_faults import url_for, wait_until
@@ -28,6 +30,9 @@ DURATION = float(os.environ.get("HAFAILOVER_CHAOS_DURATION", "30"))
 # new draw); ``make chaos`` draws a fresh seed ("random") unless one is given.
 _SEED = os.environ.get("HAFAILOVER_CHAOS_SEED", "18")
 SEED = secrets.randbelow(2**32) if _SEED == "random" else int(_SEED)
+# HAFAILOVER_CHAOS_FAILBACK=0: the preferred live does not take its role back after it
+# rejoined (fewer role changes; a run that avoids the hand-over path).
+FAILBACK = os.environ.get("HAFAILOVER_CHAOS_FAILBACK", "1") != "0"
 
 pytestmark = pytest.mark.timeout(int(DURATION * 2 + 240))
 
@@ -43,12 +48,18 @@ def test_schedule_is_the_seed_s() -> None:
         schedule(7, 0)
 
 
-def test_nemesis(fault_pair: BrokerPair, network: Network, protocol: str) -> None:
+def test_nemesis(network: Network, tmp_path: Path, protocol: str) -> None:
+    with pair_on(network, tmp_path / "pair", allow_failback=FAILBACK) as fault_pair:
+        _run_schedule(fault_pair, network, protocol)
+
+
+def _run_schedule(fault_pair: BrokerPair, network: Network, protocol: str) -> None:
     network.add("c2")
     steps = schedule(SEED, DURATION)
     print(
-        f"\nchaos [{protocol}] seed {SEED}, {DURATION:.0f}s: replay with "
+        f"\nchaos [{protocol}] seed {SEED}, {DURATION:.0f}s, failback {FAILBACK}: replay with "
         f"HAFAILOVER_CHAOS_SEED={SEED} HAFAILOVER_CHAOS_DURATION={DURATION:.0f}"
+        + ("" if FAILBACK else " HAFAILOVER_CHAOS_FAILBACK=0")
     )
     for step in steps:
         print(f"  {step}")
