@@ -331,7 +331,7 @@ def drain(netns: str, url: str, queue: str, *, idle: float = 1.0) -> list[int]:
         while True:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{queue} not drained after {DRAIN_LIMIT}s")
-            message = consumer.receive(idle if received else max(idle, 3.0))
+            message = consumer.receive(idle if received else max(idle, 1.5))
             if message is None:
                 break
             received.append(int(str(message.properties["seq"])))
