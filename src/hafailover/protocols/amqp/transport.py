@@ -8,11 +8,12 @@ outbox's write lock, and, for a request made under the driver's lock, only once 
 released too (``flush_later``). So a write the broker does not take never holds the engine
 lock: the reader goes on reading, ticking proton's heart-beats and noticing the broker's
 silence. One reader thread waits for the socket or for proton's next deadline (heart-beats,
-the broker's silence), pushes what it read and writes what proton answers, unless another
-thread is writing (which then writes the reader's bytes too). The events the engine queues
-are called with the lock released, by one thread at a time and in the order they were
-queued: whichever thread queued them calls them, unless another is calling events already,
-which then calls them too.
+the broker's silence), pushes what it read and writes what proton answers, never waiting:
+what the socket does not take now stays first in the outbox, and the reader polls for room
+while bytes are pending and no other thread is writing (one that is writes them too). The
+events the engine queues are called with the lock released, by one thread at a time and in
+the order they were queued: whichever thread queued them calls them, unless another is
+calling events already, which then calls them too.
 
 A call that waits for the broker (open, subscribe, declare, discharge, a temporary queue)
 blocks its caller on the engine's ``Pending``, bounded by a timeout; waiting on the reader
