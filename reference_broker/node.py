@@ -20,7 +20,9 @@ own only when the witness is new, or names this node as the last holder with tha
 activation; any other node joins as backup, so stale data is never served.
 
 Failback: a node started with ``--role live`` and ``--allow-failback`` that finds the other
-node active joins as backup, and once synchronized asks it to hand the role back.
+node active joins as backup, and once synchronized asks it to hand the role back. The claim
+in the witness, not HANDOVER_READY, decides: a backup that lost its link reads the witness
+before anything else, and a hand-over claim naming it is its to serve.
 
 Compaction: the live checkpoints its engine into the journal (CHECKPOINT_BEGIN, the state,
 CHECKPOINT_END; see reference_broker.records) once the journal holds ``checkpoint_segments``
@@ -965,16 +967,9 @@ class Node:
                 if follower.done() or self._stopping.is_set():
                     return None
                 await asyncio.sleep(0.005)
-            # The live hands the role over only once this node acknowledged everything, so a
-            # claim naming this node above the followed activation is ours to serve, with or
-            # without HANDOVER_READY.
-            state = self.witness.read()
-            if (
-                state is not None
-                and state.holder == config.node_id
-                and state.activation > link.activation
-            ):
-                self._pending_activation = state.activation
+            handed = self._handed_to_us(link.activation)
+            if handed is not None:
+                self._pending_activation = handed
                 return LIVE
             if final is not None:
                 log.warning("%s: handed back, but the witness does not say so", config.node_id)
@@ -982,10 +977,25 @@ class Node:
         finally:
             if handover is not None and not handover.done():
                 handover.cancel()
-            if not follower.done():
+            ended_by_itself = follower.done()
+            if not ended_by_itself:
                 follower.cancel()
             with contextlib.suppress(BaseException):
                 await follower
+            if ended_by_itself and not follower.cancelled():
+                failure = follower.exception()
+                if failure is not None:
+                    # A full disk or a protocol error ends the link from this side: say which,
+                    # or the operator sees only "lost live". No live to connect to is routine
+                    # (the backup loop retries ten times a second): not worth a warning.
+                    log.log(
+                        logging.WARNING if link.live_id is not None else logging.DEBUG,
+                        "%s: the link to live %s failed: %s: %s",
+                        config.node_id,
+                        link.live_id,
+                        type(failure).__name__,
+                        failure,
+                    )
 
     async def _follow_on(self, link: BackupLink, follower: asyncio.Task[None]) -> str | None:
         """A hand-over that did not happen: follow until the link ends (the live ends it)."""
@@ -996,6 +1006,23 @@ class Node:
             if link.silent_for(time.monotonic()) > config.heartbeat_timeout:
                 return None
             await asyncio.sleep(0.02)
+        return None
+
+    def _handed_to_us(self, activation: int) -> int | None:
+        """The activation the live of `activation` handed to this node, if the witness says so.
+
+        The live hands the role over (Witness.hand_over, the next activation, kind hand_over)
+        only once this node acknowledged everything it wrote, durably: such a claim is ours
+        to serve, whether HANDOVER_READY arrived or not.
+        """
+        state = self.witness.read()
+        if (
+            state is not None
+            and state.holder == self.config.node_id
+            and state.kind == "hand_over"
+            and state.activation == activation + 1
+        ):
+            return state.activation
         return None
 
     def _activate_again(self) -> bool:
@@ -1019,6 +1046,16 @@ class Node:
         log.warning("%s lost live %s: waiting for its lease", config.node_id, live_id)
         last_outcome: Outcome | None = None
         while not self._stopping.is_set():
+            # A hand-over whose HANDOVER_READY was lost (or still on its way when the link
+            # went silent): the claim, not the link, says who serves.
+            handed = self._handed_to_us(activation)
+            if handed is not None:
+                await self._close_backup_store()
+                self._pending_activation = handed
+                log.warning(
+                    "%s: live %s handed activation %d to this node", config.node_id, live_id, handed
+                )
+                return True
             if not self._eligibility_recorded(activation):
                 log.info(
                     "%s: live %s revoked our eligibility: resynchronizing", config.node_id, live_id

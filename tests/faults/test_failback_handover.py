@@ -7,15 +7,15 @@ frame is lost: the acting live's packets to the preferred live are dropped from 
 the preferred live is synchronized (the acting live is held with SIGSTOP for the few
 milliseconds it takes to put the rule in place, well under the heart-beat timeout).
 
-What should happen: the claim names the preferred live, which node.py's _watch_link says is
-"ours to serve, with or without HANDOVER_READY", so the preferred live serves.
+What should happen: the claim names the preferred live, which is "ours to serve, with or
+without HANDOVER_READY", so the preferred live serves and the pair has exactly one live.
 
-What happens (reference_broker/node.py, owned elsewhere): _watch_link gives the link up as
-"live silent past the heartbeat timeout" before it ever looks at the witness, and returns
-None; _take_over then sees the activation moved on ("the role moved on; staying backup") and
-_may_start_live refuses because this node never recorded the handed activation as served.
-The acting live, having handed the role away, stays backup too ("the role moved on"). No
-node serves, and healing the network changes nothing: an outage until an operator steps in.
+What happened before the fix (reference_broker/node.py): _watch_link gave the link up as
+"live silent past the heartbeat timeout" before it looked at the witness; _take_over then saw
+the activation moved on ("the role moved on; staying backup") and _may_start_live refused
+because this node never recorded the handed activation as served. The acting live, having
+handed the role away, stayed backup too. No node served, and healing the network changed
+nothing. Now _take_over reads the claim first (Node._handed_to_us).
 """
 
 from __future__ import annotations
@@ -31,11 +31,6 @@ from .netns import Network
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reference_broker/node.py: a hand-over whose HANDOVER_READY is lost leaves no "
-    "node serving (the receiver gives the silent link up before it reads the witness)",
-)
 def test_a_lost_handover_ready_still_leaves_a_live(
     fault_pair: BrokerPair, network: Network
 ) -> None:
@@ -55,11 +50,18 @@ def test_a_lost_handover_ready_still_leaves_a_live(
         network.block("backup", "live")
     finally:
         fault_pair.resume(acting)
-    time.sleep(2.0)
+    time.sleep(3.0)
     network.heal()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while not any(node.role == "live" for node in fault_pair.nodes):
         roles = [(n.name, n.status().get("role"), n.status().get("activation")) for n in
                  fault_pair.nodes]  # fmt: skip
         assert time.monotonic() < deadline, f"no node serves after the hand-over: {roles}"
+        time.sleep(0.05)
+    # The claim names the preferred live: it serves, and the pair settles with one live.
+    assert preferred.role == "live", "the node the role was handed to does not serve"
+    settle = time.monotonic() + 2.0
+    while time.monotonic() < settle:
+        live = [node.name for node in fault_pair.nodes if node.role == "live"]
+        assert live == [preferred.name], f"the pair should have exactly one live: {live}"
         time.sleep(0.05)
