@@ -13,6 +13,9 @@ Rules this module enforces:
   (1.1 and 1.2); what an ACK or NACK names (1.2: the MESSAGE's ``ack`` header as ``id``;
   1.1: ``message-id`` and ``subscription``; 1.0: ``message-id``, and there is no NACK). The
   hafailover extensions (reattach and the confirmation window) are for 1.2 clients only.
+  1.0 as its specification has it: a SUBSCRIBE without ``id`` is named by its destination,
+  an UNSUBSCRIBE may name the subscription by ``destination`` alone, and a body on a frame
+  other than SEND is accepted and ignored (the codec's rule).
 - A receipt for a SEND of a persistent message, an ACK, NACK, COMMIT or DISCONNECT is sent
   only when what it confirms is durable (the live's journal and the backup). Receipts go out
   in the order their frames came in, and any receipt also waits for the durable work of the
@@ -488,10 +491,13 @@ class StompConnection(asyncio.Protocol):
         self._maybe_receipt(frame, durable=persistent and tx is None)
 
     def _on_subscribe(self, frame: Frame, session: StompSession) -> None:
-        sub_id = frame.get("id")
         destination = frame.get("destination")
+        sub_id = frame.get("id")
+        if not sub_id and self.version == "1.0":
+            sub_id = destination  # 1.0: id is optional; the destination names the subscription
         if not sub_id or not destination:
-            raise InvalidRequestError("SUBSCRIBE needs id and destination headers")
+            needs = "a destination" if self.version == "1.0" else "id and destination"
+            raise InvalidRequestError(f"SUBSCRIBE needs {needs} headers")
         if sub_id in session.subscriptions:
             raise InvalidRequestError(f"subscription id {sub_id!r} is already in use")
         if frame.get("selector"):
@@ -564,7 +570,16 @@ class StompConnection(asyncio.Protocol):
 
     def _on_unsubscribe(self, frame: Frame, session: StompSession) -> None:
         sub_id = frame.get("id")
-        consumer_id = session.subscriptions.pop(sub_id or "", None)
+        destination = frame.get("destination")
+        if not sub_id and self.version == "1.0":
+            # 1.0 names the subscription by id or by destination: the one subscribed without
+            # an id (its destination is its id), else the only one on that destination.
+            if not destination:
+                raise InvalidRequestError("UNSUBSCRIBE needs an id or a destination header")
+            sub_id = self._subscription_on(destination, session)
+        elif not sub_id:
+            raise InvalidRequestError(f"UNSUBSCRIBE needs an id header (STOMP {self.version})")
+        consumer_id = session.subscriptions.pop(sub_id, None)
         if consumer_id is None:
             raise InvalidRequestError(f"no subscription with id {sub_id!r}")
         del session.consumer_subscription[consumer_id]
@@ -575,6 +590,24 @@ class StompConnection(asyncio.Protocol):
         self.core.engine.close_consumer(consumer_id)
         self.core.kick()
         self._maybe_receipt(frame, durable=True)
+
+    @staticmethod
+    def _subscription_on(destination: str, session: StompSession) -> str:
+        """The id of the subscription a 1.0 UNSUBSCRIBE names by ``destination`` alone."""
+        if destination in session.subscriptions:
+            return destination
+        ids = [
+            session.consumer_subscription[consumer_id]
+            for consumer_id, subscribed in session.destinations.items()
+            if subscribed == destination and consumer_id in session.consumer_subscription
+        ]
+        if not ids:
+            raise InvalidRequestError(f"no subscription to {destination!r}")
+        if len(ids) > 1:
+            raise InvalidRequestError(
+                f"{len(ids)} subscriptions to {destination!r}: UNSUBSCRIBE by id instead"
+            )
+        return ids[0]
 
     def _on_ack(self, frame: Frame, session: StompSession, *, nack: bool = False) -> None:
         if nack and self.version == "1.0":

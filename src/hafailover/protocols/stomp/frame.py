@@ -36,7 +36,9 @@ Spec points enforced (https://stomp.github.io/stomp-specification-1.2.html):
 - A NUL before the blank line that ends the headers is an error: it is how a frame that lost
   its blank line shows, and the parsers of other peers (stomp.py's among them) end a frame at
   the first NUL, so a header holding one could not be forwarded faithfully.
-- Only SEND, MESSAGE and ERROR frames may carry a body.
+- Only SEND, MESSAGE and ERROR frames may carry a body, except on 1.0, whose grammar allows a
+  body on every frame (the receiver ignores it): a 1.0 frame, and a CONNECT or STOMP that
+  negotiates 1.0 (no accept-version, or 1.0 alone), may carry one up to the body limit.
 - Limits on the command line, the header section, the header count and the body, so that a
   peer cannot make the broker buffer without bound (`ParserLimits`).
 """
@@ -101,6 +103,7 @@ ALL_COMMANDS: Final = CLIENT_COMMANDS | SERVER_COMMANDS
 # The frames that may carry a body, and the frames whose headers travel unescaped.
 _BODY_COMMANDS: Final = frozenset({"SEND", "MESSAGE", "ERROR"})
 _RAW_HEADER_COMMANDS: Final = frozenset({"CONNECT", "STOMP", "CONNECTED"})
+_CONNECT_COMMANDS: Final = frozenset({"CONNECT", "STOMP"})
 
 # An EOL on its own: what a peer writes as a heart-beat.
 HEARTBEAT_BYTES: Final = b"\n"
@@ -451,9 +454,13 @@ class FrameParser:
         """Decode the header lines in buf[start:end] (each ending in an EOL)."""
         command = self._command
         self._content_length = -1
-        self._body_limit = self._limits.max_body_size if command in _BODY_COMMANDS else 0
+        self._body_limit = (
+            self._limits.max_body_size if command in _BODY_COMMANDS or self.version == "1.0" else 0
+        )
         if start == end:
             self._headers = ()
+            if command in _CONNECT_COMMANDS:
+                self._body_limit = self._limits.max_body_size  # no accept-version: 1.0
             return
         try:
             text = buf[start:end].decode("utf-8")
@@ -486,6 +493,10 @@ class FrameParser:
                 value = _unescape(value, version)
             append((name, value))
         self._headers = tuple(headers)
+        if command in _CONNECT_COMMANDS and self._body_limit == 0:
+            accepted = next((v for n, v in headers if n == "accept-version"), None)
+            if negotiate_version(accepted) == "1.0":
+                self._body_limit = self._limits.max_body_size
         if "content-length" in text:  # escaping cannot produce this name, so it is literal
             for name, value in headers:
                 if name == "content-length":
