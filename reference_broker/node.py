@@ -101,7 +101,7 @@ from reference_broker.replication import (
 from reference_broker.stomp.server import StompConnection
 from reference_broker.store import FencedError, Store, compact_before
 from reference_broker.tls import server_context
-from reference_broker.users import UsersFile
+from reference_broker.users import UsersFile, login_guard
 from reference_broker.witness import Lease, Outcome, Timing, Witness
 
 __all__ = ["BackupCompactor", "Checkpointer", "LeaseKeeper", "Node", "NodeConfig", "main"]
@@ -454,6 +454,8 @@ class Node:
             directory.mkdir(mode=PRIVATE_DIRECTORY, parents=True, exist_ok=True)
             directory.chmod(PRIVATE_DIRECTORY)
         self.pair_secret = load_pair_secret(config.pair_dir, config.pair_secret_file)
+        # Verified logins travel to the backup as digests under a key derived from this secret.
+        self.users.verified_logins.use_pair_secret(self.pair_secret)
 
     # --- persistent identity ---------------------------------------------------------------
 
@@ -499,6 +501,8 @@ class Node:
             "activation": self.activation,
             "synchronized": self.synchronized,
             "degraded": self.degraded,
+            # Full password derivations so far (logins the pair verified before cost none).
+            "login_derivations": login_guard(self.users).derivations,
             "time": time.time(),
             **self._lease_figures(),
             **extra,
@@ -656,6 +660,7 @@ class Node:
                 else None
             ),
             certificate=_certificate_der(config.tls_cert),
+            logins=self.users.verified_logins,
         )
         servers: list[asyncio.Server] = []
 
@@ -901,6 +906,7 @@ class Node:
                     on_appended=BackupCompactor(),
                     secret=self.pair_secret,
                     tls=client_tls_context() if config.tls_cert is not None else None,
+                    on_logins=self.users.absorb_logins,
                 )
                 follower = asyncio.get_running_loop().create_task(
                     link.follow(config.peer_host, config.peer_replication_port)

@@ -41,6 +41,11 @@ count as the live's silence, as it reads nothing meanwhile. HANDOVER asks the li
 down for a synchronized former live (failback); the live answers HANDOVER_READY with its
 final sequence number once it has stopped serving and the backup has acknowledged everything.
 
+LOGINS carries logins the live verified (``reference_broker.users.VerifiedLogins``: user, record
+version, a digest keyed from the pair secret; never a password, never a failed login): all it
+holds when a backup attaches, then each new one as it is verified. The backup keeps those that
+fit its users file, so that after a failover a known login costs it one HMAC, not a derivation.
+
 This module moves records; it never decides roles (the node does, with the witness).
 """
 
@@ -66,6 +71,7 @@ from typing import Any, Final
 
 from reference_broker.journal import Journal, Record
 from reference_broker.store import Store
+from reference_broker.users import SharedLogin, VerifiedLogins
 
 __all__ = [
     "HANDOVER_TIMEOUT",
@@ -117,6 +123,7 @@ class Kind(enum.IntEnum):
     HANDOVER_READY = 8
     CHALLENGE = 9
     PROOF = 10
+    LOGINS = 11
 
 
 class ReplicationProtocolError(ConnectionError):
@@ -342,6 +349,23 @@ async def read_frame(
     return kind, body[1:]
 
 
+def encode_logins(logins: list[SharedLogin]) -> bytes:
+    return json.dumps(logins).encode()
+
+
+def decode_logins(payload: bytes) -> list[SharedLogin]:
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        raise ReplicationProtocolError("malformed JSON in a LOGINS frame") from None
+    if not isinstance(value, list) or not all(
+        isinstance(item, list) and len(item) == 3 and all(isinstance(f, str) for f in item)
+        for item in value
+    ):
+        raise ReplicationProtocolError("a LOGINS frame must be a list of [user, version, digest]")
+    return [(name, version, digest) for name, version, digest in value]
+
+
 def _json(payload: bytes) -> dict[str, Any]:
     try:
         value = json.loads(payload)
@@ -370,10 +394,12 @@ class LiveReplicationServer:
         secret: bytes,
         tls: ssl.SSLContext | None = None,
         certificate: bytes | None = None,
+        logins: VerifiedLogins | None = None,
     ) -> None:
         if len(secret) < _MIN_SECRET_BYTES:
             raise ValueError(f"the pair secret must be at least {_MIN_SECRET_BYTES} bytes")
         self.store = store
+        self._logins = logins  # shared with the attached backup (LOGINS)
         self._secret = secret
         self._tls = tls
         # The DER of the certificate the live presents over TLS, for the proofs' binding.
@@ -487,6 +513,7 @@ class LiveReplicationServer:
         loop = asyncio.get_running_loop()
         pinger = loop.create_task(self._ping(writer))
         sender: asyncio.Task[None] | None = None
+        unsubscribe = self._share_logins(writer)
         try:
             await self._copy_journal(writer, upto)
             self._check_backlog()
@@ -505,9 +532,30 @@ class LiveReplicationServer:
             sender = loop.create_task(self._send(writer))
             await self._read_acks(reader, writer, target)
         finally:
+            unsubscribe()
             pinger.cancel()
             if sender is not None:
                 sender.cancel()
+
+    def _share_logins(self, writer: asyncio.StreamWriter) -> Callable[[], None]:
+        """Send the backup every login verified so far, then each new one (LOGINS frames
+        are whole, so they go between any two others); returns how to stop."""
+        logins = self._logins
+        if logins is None:
+            return lambda: None
+        loop = asyncio.get_running_loop()
+
+        def send(batch: list[SharedLogin]) -> None:
+            if not writer.is_closing():
+                write_frame(writer, Kind.LOGINS, encode_logins(batch))
+
+        # Subscribed before the snapshot: a login verified in between is sent twice, not lost.
+        # New ones are verified on the login worker thread: handed to the loop.
+        unsubscribe = logins.subscribe(lambda login: loop.call_soon_threadsafe(send, [login]))
+        snapshot = logins.snapshot()
+        if snapshot:
+            send(snapshot)
+        return unsubscribe
 
     async def _send(self, writer: asyncio.StreamWriter) -> None:
         try:
@@ -627,11 +675,13 @@ class BackupLink:
         on_appended: Callable[[Journal, list[Record]], None] | None = None,
         secret: bytes,
         tls: ssl.SSLContext | None = None,
+        on_logins: Callable[[list[SharedLogin]], None] | None = None,
     ) -> None:
         if len(secret) < _MIN_SECRET_BYTES:
             raise ValueError(f"the pair secret must be at least {_MIN_SECRET_BYTES} bytes")
         self._secret = secret
         self._tls = tls
+        self._on_logins = on_logins  # logins the live verified (LOGINS)
         self.refused = False  # the pair secret did not match: worth a longer pause
         self.node_id = node_id
         self.timeout = timeout
@@ -723,6 +773,10 @@ class BackupLink:
                     )
                 elif kind is Kind.PING:
                     continue
+                elif kind is Kind.LOGINS:
+                    logins = decode_logins(payload)
+                    if self._on_logins is not None:
+                        self._on_logins(logins)
                 elif kind is Kind.HANDOVER_READY:
                     (final,) = _SEQ.unpack(payload)
                     if self._handover is not None and not self._handover.done():

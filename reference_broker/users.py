@@ -5,9 +5,11 @@ Format (UTF-8 text; blank lines and lines starting with '#' are ignored)::
     name:pbkdf2-sha256$<iterations>$<salt, base64>$<hash, base64>
 
 Both protocols check logins here (STOMP login/passcode, AMQP SASL PLAIN), so a
-pair has one source of users. A successful check is remembered for the life
-of the process (keyed by a hash of the password, never the password), so a
-client that reconnects many times pays the key-derivation cost once.
+pair has one source of users. A successful check is remembered (``VerifiedLogins``: a keyed
+digest of the name, the password and the user's record version, never the password or a bare
+hash of it), so a client that reconnects many times pays the key-derivation cost once. The
+live shares the digests with its backup over the replication link, under a key derived from
+the pair secret, so after a failover a known login costs the new live one HMAC.
 
 ``LoginGuard`` is how a serving node checks a login (docs/security.md):
 
@@ -21,8 +23,9 @@ client that reconnects many times pays the key-derivation cost once.
   ends; the loop awaits, it never sleeps. A key forgets its failures after ``forget_after``
   seconds without one. Attempts on a key with a derivation in flight wait for it, so a pool
   of connections opened at once with the right password all get in.
-- A login the process already verified (same user, same password) is accepted at once, even
-  for a key in penalty: a flood of wrong passwords does not lock out clients that were in.
+- A login the process already verified (same user, same password), or the live it followed
+  as a backup did, is accepted at once, even for a key in penalty: a flood of wrong passwords
+  does not lock out clients that were in.
 - At most ``max_pending`` derivations wait for the worker; an attempt past that is refused,
   and so is one that waited ``max_wait`` seconds for the worker (on a starved machine the
   queue is slower than its length says): every attempt is answered within about max_wait.
@@ -40,9 +43,11 @@ import hashlib
 import hmac
 import logging
 import os
+import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,8 +58,10 @@ from reference_broker._files import replace_atomically
 __all__ = [
     "LoginGuard",
     "LoginPolicy",
+    "SharedLogin",
     "UsersFile",
     "UsersFileError",
+    "VerifiedLogins",
     "hash_password",
     "login_guard",
 ]
@@ -63,6 +70,8 @@ log = logging.getLogger(__name__)
 
 _SCHEME = "pbkdf2-sha256"
 _ITERATIONS = 200_000
+MAX_VERIFIED_LOGINS = 10_000
+_LOGIN_KEY_LABEL = b"hafailover verified-login digests v1"
 
 
 class UsersFileError(ValueError):
@@ -96,12 +105,116 @@ def _check(stored: str, password: str) -> bool:
     return hmac.compare_digest(expected, actual)
 
 
+# One shared login: (user name, record version, keyed digest), all text, as sent on the link.
+SharedLogin = tuple[str, str, str]
+
+
+class VerifiedLogins:
+    """Logins verified by a full derivation, as keyed digests, for a node and its pair.
+
+    A digest is ``HMAC(key, name | version | password)``, where ``version`` names the user's
+    record (it changes with the password's salt) and ``key`` is derived from the pair secret
+    (``use_pair_secret``; until then a random key of this process). Without the key a digest
+    tells nothing about the password; with it, it allows offline guessing (docs/security.md).
+    Bounded: past ``limit`` entries the least recently used goes. In memory only; thread-safe
+    (the login worker adds, the event loop looks up). Every new entry goes to the listeners
+    (the live's replication link), in the thread that verified it.
+    """
+
+    def __init__(self, limit: int = MAX_VERIFIED_LOGINS) -> None:
+        if limit < 1:
+            raise ValueError(f"verified logins: limit must be at least 1, not {limit}")
+        self.limit = limit
+        self._key = os.urandom(32)
+        # (name, digest) -> version, least recently used first
+        self._entries: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[SharedLogin], None]] = []
+
+    def use_pair_secret(self, secret: bytes) -> None:
+        """Key the digests with the pair secret, so that the other node can check them; drops
+        every digest made with the previous key."""
+        key = hmac.new(secret, _LOGIN_KEY_LABEL, hashlib.sha256).digest()
+        with self._lock:
+            if key != self._key:
+                self._key = key
+                self._entries.clear()
+
+    def subscribe(self, listener: Callable[[SharedLogin], None]) -> Callable[[], None]:
+        """Call ``listener`` with every login added from now on; returns the unsubscribe."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def version(self, stored: str) -> str:
+        """The version of a user's record: a keyed digest of it, so the link carries no hash
+        of the stored hash."""
+        return hmac.new(self._key, b"record\0" + stored.encode(), hashlib.sha256).hexdigest()[:16]
+
+    def _digest(self, name: str, version: str, password: str) -> str:
+        message = b"\0".join((name.encode(), version.encode(), password.encode()))
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
+    def add(self, name: str, stored: str, password: str) -> None:
+        """A login verified against ``stored``, the user's record (by a derivation)."""
+        version = self.version(stored)
+        entry = (name, version, self._digest(name, version, password))
+        self._put(entry)
+        for listener in list(self._listeners):
+            listener(entry)
+
+    def knows(self, name: str, stored: str, password: str) -> bool:
+        """Whether this login was verified against this very record (one HMAC)."""
+        version = self.version(stored)
+        key = (name, self._digest(name, version, password))
+        with self._lock:
+            if self._entries.get(key) != version:
+                return False
+            self._entries.move_to_end(key)
+            return True
+
+    def absorb(self, logins: Iterable[SharedLogin], records: dict[str, str]) -> int:
+        """Logins the other node verified; those whose record ``records`` holds no more (user
+        removed, password changed) are dropped. Returns how many were kept."""
+        kept = 0
+        for name, version, digest in logins:
+            stored = records.get(name)
+            if stored is not None and self.version(stored) == version:
+                self._put((name, version, digest))
+                kept += 1
+        return kept
+
+    def snapshot(self) -> list[SharedLogin]:
+        """Every login held, oldest first (what the live sends a backup that attaches)."""
+        with self._lock:
+            return [(name, version, digest) for (name, digest), version in self._entries.items()]
+
+    def forget_user(self, name: str) -> None:
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == name]:
+                del self._entries[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _put(self, entry: SharedLogin) -> None:
+        name, version, digest = entry
+        with self._lock:
+            self._entries[(name, digest)] = version
+            self._entries.move_to_end((name, digest))
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+
+
 class UsersFile:
     """Users and their password hashes, loaded from (and saved to) a file."""
 
     def __init__(self, users: dict[str, str] | None = None) -> None:
         self._users: dict[str, str] = dict(users or {})
-        self._verified: set[tuple[str, bytes]] = set()
+        self._verified = VerifiedLogins()
 
     @classmethod
     def load(cls, path: Path) -> UsersFile:
@@ -132,7 +245,16 @@ class UsersFile:
         if not name or ":" in name or any(c.isspace() for c in name):
             raise UsersFileError(f"user name {name!r} must be non-empty, without ':' or spaces")
         self._users[name] = hash_password(password)
-        self._verified = {v for v in self._verified if v[0] != name}
+        self._verified.forget_user(name)
+
+    @property
+    def verified_logins(self) -> VerifiedLogins:
+        """The logins verified so far (the live shares them with its backup)."""
+        return self._verified
+
+    def absorb_logins(self, logins: Iterable[SharedLogin]) -> int:
+        """Logins the other node of the pair verified; see VerifiedLogins.absorb."""
+        return self._verified.absorb(logins, self._users)
 
     def __contains__(self, name: object) -> bool:
         return name in self._users
@@ -151,18 +273,15 @@ class UsersFile:
             _check(_dummy(), password)  # the same cost as a known user's check
             return False
         if _check(stored, password):
-            self._verified.add(self._cache_key(name, stored, password))
+            self._verified.add(name, stored, password)
             return True
         return False
 
     def verified_before(self, name: str, password: str) -> bool:
-        """Whether this process already verified this very name and password (cheap)."""
+        """Whether this node, or the live it followed, already verified this very name and
+        password against the current record (one HMAC)."""
         stored = self._users.get(name)
-        return stored is not None and self._cache_key(name, stored, password) in self._verified
-
-    @staticmethod
-    def _cache_key(name: str, stored: str, password: str) -> tuple[str, bytes]:
-        return (name, hashlib.sha256(stored.encode() + b"\0" + password.encode()).digest())
+        return stored is not None and self._verified.knows(name, stored, password)
 
 
 @functools.cache
