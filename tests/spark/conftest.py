@@ -29,7 +29,10 @@ def spark() -> Iterator[Any]:
     pytest.importorskip("pyspark")
     pytest.importorskip("pyarrow")
     if shutil.which("java") is None and "JAVA_HOME" not in os.environ:
-        pytest.skip("Spark needs Java (JDK 17): none on PATH and JAVA_HOME is not set")
+        message = "Spark needs Java (JDK 17): none on PATH and JAVA_HOME is not set"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message, pytrace=False)  # in CI a missing service is a failure
+        pytest.skip(message)
     from pyspark.sql import SparkSession
 
     from hafailover.spark import register

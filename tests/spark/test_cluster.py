@@ -81,7 +81,7 @@ def wait_for_mark(app: App, marks: Path, name: str | None = None, timeout: float
         time.sleep(0.05)
 
 
-def finish(app: App, timeout: float = 300) -> None:
+def finish(app: App, timeout: float = 600) -> None:
     try:
         assert app.wait(timeout) == 0, app.output()
     finally:
