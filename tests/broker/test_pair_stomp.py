@@ -104,12 +104,16 @@ def test_confirmed_messages_survive_sigkill_then_failback_and_again(pair: Broker
         confirmed = send_persistent(live, destination, 10_000)
         assert len(confirmed) == 10_000
 
+        # The backup may wait out the dead live's lease and the grace after it (a fifth of
+        # the lease, reference_broker/node.py); the headroom is for a busy machine. A bound,
+        # not a speed claim: benchmarks measure takeover times.
+        takeover_bound = pair.lease * 1.2 + 5.0
         killed_at = time.monotonic()
         pair.kill(live)
-        active = pair.wait_active(timeout=HEARTBEAT + 1.0)
+        active = pair.wait_active(timeout=takeover_bound)
         takeover = time.monotonic() - killed_at
         assert active is backup
-        assert takeover <= HEARTBEAT + 1.0, f"backup active after {takeover:.2f}s"
+        assert takeover <= takeover_bound, f"backup active after {takeover:.2f}s"
 
         received = consume_all(active, destination, len(confirmed))
         assert set(received) == confirmed, f"lost {len(confirmed - set(received))}"

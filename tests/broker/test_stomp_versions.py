@@ -279,10 +279,13 @@ def test_a_sigkilled_live_loses_none_of_a_1_1_clients_confirmed_sends(tmp_path: 
         connection.set_listener("l", listener)
         connection.connect("app", "secret", wait=True)
         confirmed: list[int] = []
-        killer = threading.Timer(0.3, pair.kill, args=(live,))
-        killer.start()
+        # The kill comes after a count of confirmed sends, not after a time: on a busy
+        # machine 0.3 s may hold no send at all. Sends go on while it lands.
+        killer = threading.Thread(target=pair.kill, args=(live,))
         try:
             for n in range(100_000):
+                if n == 50:
+                    killer.start()
                 receipt = f"r{n}"
                 connection.send(
                     "/queue/kill11",
@@ -294,8 +297,10 @@ def test_a_sigkilled_live_loses_none_of_a_1_1_clients_confirmed_sends(tmp_path: 
         except (AssertionError, stomp.exception.StompException, OSError):
             pass  # the live died under the sends: the rest were never confirmed
         finally:
-            killer.join()
-        assert len(confirmed) > 10
+            if killer.ident is not None:
+                killer.join(30)
+        assert len(confirmed) >= 50, f"the live failed after {len(confirmed)} sends, not killed"
+        assert killer.ident is not None
         backup = pair.wait_active(30)
         reader = stomp.Connection11([("127.0.0.1", backup.stomp_port)], auto_decode=False)
         heard = Listener()
