@@ -23,7 +23,7 @@ from hafailover.url import BrokerAddress, parse_url
 
 DEMO_URL = (
     "failover:(stomp://app:secret@127.0.0.1:61613,stomp://app:secret@127.0.0.1:61614)"
-    "?retry_interval=100ms&max_retry_interval=1s&confirmation_window_size=64KiB"
+    "?max_retry_interval=1s&confirmation_window_size=64KiB"
 )
 
 
