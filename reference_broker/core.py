@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Final, Protocol
 
 import attrs
 
@@ -44,6 +44,11 @@ class HeldSession(Protocol):
         """The TTL passed: end the session for good."""
 
 
+# The same as the client's MAX_MESSAGE_BYTES: what a hafailover producer lets through (its
+# measure counts headers too, so it is the stricter), a default broker accepts.
+DEFAULT_MAX_MESSAGE_SIZE: Final = 64 * 1024 * 1024
+
+
 @attrs.frozen
 class ServeConfig:
     node_id: str = "live"
@@ -60,7 +65,8 @@ class ServeConfig:
     # AMQP: a durable message's message-id is its duplicate id when it has no _AMQ_DUPL_ID
     # (off: producers that reuse message-ids would lose messages; docs/security.md).
     amqp_message_id_duplicates: bool = False
-    max_body_size: int = 64 * 1024 * 1024
+    # The largest message body a client may send on either protocol (--max-message-size).
+    max_body_size: int = DEFAULT_MAX_MESSAGE_SIZE
     # Unsettled deliveries a client-acknowledge consumer may hold unless it asks otherwise.
     default_prefetch: int = 1000
 

@@ -72,7 +72,7 @@ import attrs
 
 from reference_broker._files import PRIVATE_DIRECTORY, replace_atomically
 from reference_broker.amqp.server import AmqpConnection
-from reference_broker.core import BrokerCore, ServeConfig
+from reference_broker.core import DEFAULT_MAX_MESSAGE_SIZE, BrokerCore, ServeConfig
 from reference_broker.engine import Engine, EngineConfig
 from reference_broker.journal import (
     DEFAULT_SEGMENT_SIZE,
@@ -151,6 +151,8 @@ class NodeConfig:
     pair_secret_file: Path | None = None
     # AMQP: take a durable message's message-id as its duplicate id (off: _AMQ_DUPL_ID only).
     amqp_message_id_duplicates: bool = False
+    # The largest message body a client may send (STOMP and AMQP); larger ones are refused.
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     max_connection_ttl: float = 300.0
     segment_size: int = DEFAULT_SEGMENT_SIZE
     checkpoint_segments: int = CHECKPOINT_SEGMENTS
@@ -616,6 +618,7 @@ class Node:
                 max_connection_ttl=config.max_connection_ttl,
                 allow_anonymous=config.allow_anonymous,
                 amqp_message_id_duplicates=config.amqp_message_id_duplicates,
+                max_body_size=config.max_message_size,
                 topology_extension=config.topology_extension,
             ),
             may_serve=self.may_serve,
@@ -1192,8 +1195,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="AMQP: a durable message without _AMQ_DUPL_ID is deduplicated by its message-id",
     )
+    p.add_argument(
+        "--max-message-size",
+        type=_positive_bytes,
+        default=DEFAULT_MAX_MESSAGE_SIZE,
+        help="the largest message body a client may send, in bytes (default: 64 MiB, the "
+        "client's MAX_MESSAGE_BYTES); a larger one is refused with this limit named",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _positive_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {value}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
@@ -1226,6 +1246,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         checkpoint_ratio=args.checkpoint_ratio,
         pair_secret_file=args.pair_secret_file,
         amqp_message_id_duplicates=args.amqp_message_id_duplicates,
+        max_message_size=args.max_message_size,
     )
 
 

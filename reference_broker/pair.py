@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -124,8 +124,11 @@ class BrokerPair:
         checkpoint_segments: int | None = None,
         netns: Mapping[str, str] | None = None,
         hosts: Mapping[str, str] | None = None,
+        node_options: Sequence[str] = (),
     ) -> None:
         self.data_dir = Path(data_dir)
+        # Further node options (``--max-message-size 1048576``), given to both nodes.
+        self.node_options = list(node_options)
         self.user = user
         self.password = password
         self.host = host
@@ -299,6 +302,7 @@ class BrokerPair:
             command += ["--segment-size", str(self.segment_size)]
         if self.checkpoint_segments is not None:
             command += ["--checkpoint-segments", str(self.checkpoint_segments)]
+        command += self.node_options
         if node.netns is not None:
             command = ["ip", "netns", "exec", node.netns, *command]
         log = open(node.log_path, "ab")  # noqa: SIM115 - the child owns it after Popen
