@@ -549,9 +549,14 @@ class LiveReplicationServer:
             if not writer.is_closing():
                 write_frame(writer, Kind.LOGINS, encode_logins(batch))
 
+        def verified(login: SharedLogin) -> None:
+            # On the login worker thread: handed to the loop, unless it has closed (the node
+            # is stopping), which must not fail the login.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(send, [login])
+
         # Subscribed before the snapshot: a login verified in between is sent twice, not lost.
-        # New ones are verified on the login worker thread: handed to the loop.
-        unsubscribe = logins.subscribe(lambda login: loop.call_soon_threadsafe(send, [login]))
+        unsubscribe = logins.subscribe(verified)
         snapshot = logins.snapshot()
         if snapshot:
             send(snapshot)
