@@ -225,3 +225,46 @@ def test_a_reconnect_tells_auto_rules_exactly_the_acknowledges_it_lost() -> None
     rules = core.rules[1]
     assert rules.redelivery_expected("s", "m1")
     assert not rules.redelivery_expected("", "m2")
+
+
+def test_an_abandoned_call_is_handed_back_and_forgotten() -> None:
+    core = windowed_core()
+    token = core.call(CallKind.ACK, 1, tag="t1")
+    call = core.abandon(token)
+    assert call is not None and call.tag == "t1"
+    assert token not in core.calls
+    assert core.abandon(token) is None
+
+
+def test_a_reattach_releases_what_was_never_written_except_sends() -> None:
+    core = windowed_core()
+    write(core, None)
+    ack = core.call(CallKind.ACK, 1, tag="t1")  # its write failed: no answer will come
+    send = core.call(CallKind.SEND, 1, message_id="m1")  # never left: sending is no copy
+    plan = core.failover(resumed=True, last_received=0)
+    assert plan.unblock == (ack,)
+    assert plan.resend == (send,)
+
+
+def test_a_reconnect_gives_each_session_its_own_part_of_the_report() -> None:
+    core = windowed_core()
+    core.open_session(1, AckMode.AUTO)
+    core.open_session(2, AckMode.AUTO)
+    stamped = core.call(CallKind.SEND, 2, resendable=True, message_id="m1")
+    write(core, stamped)
+    plan = core.failover(resumed=False)
+    assert [(p.session_id, p.replayed, p.resent) for p in plan.sessions] == [
+        (1, (), ()),
+        (2, (), ("m1",)),
+    ]
+    assert core.calls[stamped].cumulative is False  # resent with a receipt of its own
+
+
+def test_only_the_first_session_reports_what_a_reattach_replayed() -> None:
+    core = windowed_core()
+    core.open_session(1, AckMode.AUTO)
+    core.open_session(2, AckMode.AUTO)
+    write(core, None)
+    write(core, None)
+    plan = core.failover(resumed=True, last_received=0)
+    assert [(p.session_id, p.replayed) for p in plan.sessions] == [(1, (1,)), (2, ())]
