@@ -54,8 +54,13 @@ transaction or none. `rollback`, and a dropped connection, drop the sends and re
 settled messages to their queues as failed deliveries. Nothing of an open transaction is
 ever written, so an aborted one leaves no trace in the journal.
 
-Duplicate detection (DESIGN F13). Each address has a FIFO-bounded cache of the duplicate ids
-of persistent messages sent to it. A send whose id is in the cache is dropped and reported as
+Duplicate detection (DESIGN F13). Each address has a cache of the duplicate ids of persistent
+messages sent to it, oldest forgotten first. An id is forgotten only once it is both older
+than `duplicate_id_retention` (by the wall clock, `EngineConfig.clock`) and beyond the newest
+`duplicate_cache_size` ids of its address, or when the address's ids exceed
+`duplicate_id_max_bytes` (logged once per address): a client's retry long after many later
+sends is still found. Each id's time is journaled with it, so retention by time survives a
+restart and a failover. A send whose id is in the cache is dropped and reported as
 accepted (`send` returns None), so a client's retry after an unknown outcome is harmless.
 Inside a transaction the id enters the cache at commit, and a duplicate met at commit is
 dropped while the commit still succeeds: a retried transaction whose first attempt did
@@ -96,7 +101,9 @@ still in the checkpoint, where a later TX_ACK finds them).
 from __future__ import annotations
 
 import enum
+import logging
 import sys
+import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -238,6 +245,23 @@ def _check_not_negative(_: object, attribute: attrs.Attribute[int], value: int) 
         raise InvalidRequestError(f"{attribute.name} must not be negative, not {value}")
 
 
+DEFAULT_DUPLICATE_ID_RETENTION: Final = 3600.0  # seconds
+DEFAULT_DUPLICATE_ID_MAX_BYTES: Final = 64 * 1024 * 1024  # per address
+DUPLICATE_ID_OVERHEAD: Final = 64  # bytes counted per id besides its UTF-8 length
+
+log = logging.getLogger("reference_broker.engine")
+
+
+def _check_retention(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e12:
+        raise ValueError(f"{attribute.name} must be a number of seconds >= 0, not {value!r}")
+
+
+def _check_positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a whole number above 0, not {value!r}")
+
+
 def _check_node_id(_: object, __: object, value: str) -> None:
     if not value or _SEPARATOR in value:
         raise InvalidRequestError(f"node_id must be non-empty and free of '::', not {value!r}")
@@ -249,12 +273,24 @@ class EngineConfig:
 
     `first_message_id` lets a server keep message ids unique across failovers even for
     non-persistent messages the journal never saw (for example, activation sequence << 40).
-    `duplicate_cache_size` 0 turns duplicate detection off.
+    `duplicate_cache_size` 0 turns duplicate detection off. Otherwise an address's duplicate
+    id is forgotten only when it is older than `duplicate_id_retention` seconds and beyond the
+    newest `duplicate_cache_size` ids, or when the address's ids take more than
+    `duplicate_id_max_bytes` (each id's UTF-8 length plus DUPLICATE_ID_OVERHEAD). `clock` is
+    the wall clock the ages are measured by (it is journaled: a monotonic clock would not
+    survive a restart).
     """
 
     max_delivery_attempts: int | None = attrs.field(default=10, validator=_check_positive_or_none)
     dead_letter_queue: str | None = attrs.field(default="queue://DLQ", validator=_check_config_dlq)
     duplicate_cache_size: int = attrs.field(default=20_000, validator=_check_not_negative)
+    duplicate_id_retention: float = attrs.field(
+        default=DEFAULT_DUPLICATE_ID_RETENTION, validator=_check_retention
+    )
+    duplicate_id_max_bytes: int = attrs.field(
+        default=DEFAULT_DUPLICATE_ID_MAX_BYTES, validator=_check_positive_int
+    )
+    clock: Callable[[], float] = attrs.field(default=time.time, eq=False, repr=False)
     auto_create_queues: bool = True
     node_id: str = attrs.field(default="broker", validator=_check_node_id)
     first_message_id: int = attrs.field(default=1, validator=_check_not_negative)
@@ -527,22 +563,51 @@ class _Connection:
 
 
 class _DuplicateCache:
-    """The duplicate ids of one address, oldest evicted first."""
+    """The duplicate ids of one address with the time each entered, oldest forgotten first."""
 
-    __slots__ = ("ids", "limit", "order")
+    __slots__ = ("address", "bytes", "config", "forced", "ids", "order")
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.ids: set[str] = set()
+    def __init__(self, address: str, config: EngineConfig) -> None:
+        self.address = address
+        self.config = config
+        self.ids: dict[str, float] = {}  # id -> when it entered (wall clock)
         self.order: deque[str] = deque()
+        self.bytes = 0
+        self.forced = False  # the byte bound forgot an id in retention: logged once
 
-    def add(self, duplicate_id: str) -> None:
+    def add(self, duplicate_id: str, at: float) -> None:
         if duplicate_id in self.ids:
             return
-        self.ids.add(duplicate_id)
+        self.ids[duplicate_id] = at
         self.order.append(duplicate_id)
-        if len(self.order) > self.limit:
-            self.ids.discard(self.order.popleft())
+        self.bytes += _id_bytes(duplicate_id)
+        config = self.config
+        # Beyond the count and older than the retention: both, or a retry within the
+        # retention after many later sends would be stored twice.
+        horizon = at - config.duplicate_id_retention
+        ids, order = self.ids, self.order
+        while len(order) > config.duplicate_cache_size and ids[order[0]] <= horizon:
+            self._forget()
+        while self.bytes > config.duplicate_id_max_bytes and len(order) > 1:
+            if not self.forced:
+                self.forced = True
+                log.warning(
+                    "duplicate ids of %s exceed %d bytes: forgetting the oldest before their "
+                    "retention (%.0f s) ends; a retry that late is stored twice",
+                    self.address,
+                    config.duplicate_id_max_bytes,
+                    config.duplicate_id_retention,
+                )
+            self._forget()
+
+    def _forget(self) -> None:
+        oldest = self.order.popleft()
+        del self.ids[oldest]
+        self.bytes -= _id_bytes(oldest)
+
+
+def _id_bytes(duplicate_id: str) -> int:
+    return len(duplicate_id.encode("utf-8", "surrogatepass")) + DUPLICATE_ID_OVERHEAD
 
 
 # --- the engine -------------------------------------------------------------------------------
@@ -821,21 +886,23 @@ class Engine:
             names = tuple(durable)
         if not message.persistent:
             return
+        at: float | None = None
         if duplicate_id is not None and self._config.duplicate_cache_size:
-            self._remember(message.address, duplicate_id)
+            at = self._config.clock()
+            self._remember(message.address, duplicate_id, at)
         else:
             duplicate_id = None
         if names:
             self._records.append(
-                MessageAdd(names, message, duplicate_id)
+                MessageAdd(names, message, duplicate_id, at)
                 if tx is None
-                else TxAdd(tx, names, message, duplicate_id)
+                else TxAdd(tx, names, message, duplicate_id, at)
             )
         elif duplicate_id is not None:
             self._records.append(
-                DuplicateId(message.address, duplicate_id)
+                DuplicateId(message.address, duplicate_id, at)
                 if tx is None
-                else TxDuplicateId(tx, message.address, duplicate_id)
+                else TxDuplicateId(tx, message.address, duplicate_id, at)
             )
 
     def _push_new(self, queue: _Queue, message: Message) -> None:
@@ -850,11 +917,11 @@ class Engine:
         if queue.consumers:
             self._dirty.add(queue)
 
-    def _remember(self, address: str, duplicate_id: str) -> None:
+    def _remember(self, address: str, duplicate_id: str, at: float) -> None:
         cache = self._duplicates.get(address)
         if cache is None:
-            cache = self._duplicates[address] = _DuplicateCache(self._config.duplicate_cache_size)
-        cache.add(duplicate_id)
+            cache = self._duplicates[address] = _DuplicateCache(address, self._config)
+        cache.add(duplicate_id, at)
 
     # --- consumers --------------------------------------------------------------------------
 
@@ -1511,7 +1578,8 @@ class Engine:
                 messages = [e.message for e in entries]
                 queues.append((queue.name, queue.address, queue.names, messages, counts))
         duplicates = tuple(
-            (address, tuple(cache.order)) for address, cache in self._duplicates.items()
+            (address, tuple((i, cache.ids[i]) for i in cache.order))
+            for address, cache in self._duplicates.items()
         )
         return Checkpoint(
             checkpoint_id, self._next_message_id, self._next_tx_id, tuple(queues), duplicates
@@ -1553,7 +1621,7 @@ class Checkpoint:
     next_message_id: int
     next_tx_id: int
     queues: tuple[_QueueCopy, ...]
-    duplicate_ids: tuple[tuple[str, tuple[str, ...]], ...]
+    duplicate_ids: tuple[tuple[str, tuple[tuple[str, float], ...]], ...]  # (id, time)
 
     def body(self) -> Iterator[Record]:
         """The state as the shortest record stream that rebuilds it (`Engine.checkpoint`)."""
@@ -1566,8 +1634,8 @@ class Checkpoint:
                 if delivery_count:
                     yield DeliveryCount(name, message.id, delivery_count)
         for address, ids in self.duplicate_ids:
-            for duplicate_id in ids:
-                yield DuplicateId(address, duplicate_id)
+            for duplicate_id, at in ids:
+                yield DuplicateId(address, duplicate_id, at)
 
     def records(self) -> Iterator[Record]:
         """The checkpoint as journaled: CHECKPOINT_BEGIN, `body()`, CHECKPOINT_END."""
@@ -1638,6 +1706,7 @@ class _Replay:
         self.ids = ids  # the id watermarks, shared by every replay of one stream
         self.staged: dict[str, dict[int, _Entry]] = {}
         self.pending: dict[int, list[Record]] = {}
+        self.recovered_at = engine.config.clock()
 
     def finish(self) -> Engine:
         engine = self.engine
@@ -1657,7 +1726,7 @@ class _Replay:
     def apply(self, record: Record) -> None:
         engine = self.engine
         if isinstance(record, MessageAdd):
-            self._add(record.queues, record.message, record.duplicate_id)
+            self._add(record.queues, record.message, record.duplicate_id, record.duplicate_time)
         elif isinstance(record, MessageAck):
             staged = self.staged.get(record.queue)
             if staged is not None:
@@ -1670,7 +1739,7 @@ class _Replay:
             self._dead_letter(record)
         elif isinstance(record, DuplicateId):
             if engine._config.duplicate_cache_size:
-                engine._remember(record.address, record.duplicate_id)
+                engine._remember(record.address, record.duplicate_id, self._time(record.time))
         elif isinstance(record, TxAdd | TxAck | TxDuplicateId):
             # Held until the transaction's TX_COMMIT; never applied without one.
             self._see_tx(record.tx)
@@ -1681,11 +1750,11 @@ class _Replay:
             self._see_tx(record.tx)
             for held in self.pending.pop(record.tx, ()):
                 if isinstance(held, TxAdd):
-                    self._add(held.queues, held.message, held.duplicate_id)
+                    self._add(held.queues, held.message, held.duplicate_id, held.duplicate_time)
                 elif isinstance(held, TxAck):
                     self.apply(MessageAck(held.queue, held.message_id))
                 elif isinstance(held, TxDuplicateId):
-                    self.apply(DuplicateId(held.address, held.duplicate_id))
+                    self.apply(DuplicateId(held.address, held.duplicate_id, held.time))
         elif isinstance(record, TxRollback):
             self._see_tx(record.tx)
             self.pending.pop(record.tx, None)
@@ -1713,14 +1782,25 @@ class _Replay:
         if message_id >= self.ids.next_message_id:
             self.ids.next_message_id = message_id + 1
 
-    def _add(self, queues: tuple[str, ...], message: Message, duplicate_id: str | None) -> None:
+    def _time(self, at: float | None) -> float:
+        # A record from before times were journaled: count the id from its recovery, which
+        # keeps it at least as long as the retention promises.
+        return self.recovered_at if at is None else at
+
+    def _add(
+        self,
+        queues: tuple[str, ...],
+        message: Message,
+        duplicate_id: str | None,
+        duplicate_time: float | None,
+    ) -> None:
         self._see_message(message.id)
         for name in queues:
             staged = self.staged.get(name)
             if staged is not None:
                 staged[message.id] = _Entry(message, 0, 0, True)
         if duplicate_id is not None and self.engine._config.duplicate_cache_size:
-            self.engine._remember(message.address, duplicate_id)
+            self.engine._remember(message.address, duplicate_id, self._time(duplicate_time))
 
     def _dead_letter(self, record: DeadLetter) -> None:
         self._see_message(record.new_message_id)

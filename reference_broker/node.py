@@ -73,7 +73,12 @@ import attrs
 from reference_broker._files import PRIVATE_DIRECTORY, replace_atomically
 from reference_broker.amqp.server import AmqpConnection
 from reference_broker.core import DEFAULT_MAX_MESSAGE_SIZE, BrokerCore, ServeConfig
-from reference_broker.engine import Engine, EngineConfig
+from reference_broker.engine import (
+    DEFAULT_DUPLICATE_ID_MAX_BYTES,
+    DEFAULT_DUPLICATE_ID_RETENTION,
+    Engine,
+    EngineConfig,
+)
 from reference_broker.journal import (
     DEFAULT_SEGMENT_SIZE,
     RECORD_OVERHEAD,
@@ -157,6 +162,12 @@ class NodeConfig:
     segment_size: int = DEFAULT_SEGMENT_SIZE
     checkpoint_segments: int = CHECKPOINT_SEGMENTS
     checkpoint_ratio: float = CHECKPOINT_RATIO
+    # Duplicate ids (docs/broker.md): forgotten once both beyond the newest
+    # duplicate_id_cache_size of their address and older than duplicate_id_retention seconds,
+    # or when the address's ids exceed duplicate_id_max_bytes.
+    duplicate_id_cache_size: int = 20_000
+    duplicate_id_retention: float = DEFAULT_DUPLICATE_ID_RETENTION
+    duplicate_id_max_bytes: int = DEFAULT_DUPLICATE_ID_MAX_BYTES
 
     @property
     def timing(self) -> Timing:
@@ -805,7 +816,13 @@ class Node:
         engine = await asyncio.to_thread(
             lambda: Engine.recover(
                 (decode(r.type, r.payload) for r in journal.replay()),
-                EngineConfig(node_id=config.node_id, first_message_id=self.activation << 40),
+                EngineConfig(
+                    node_id=config.node_id,
+                    first_message_id=self.activation << 40,
+                    duplicate_cache_size=config.duplicate_id_cache_size,
+                    duplicate_id_retention=config.duplicate_id_retention,
+                    duplicate_id_max_bytes=config.duplicate_id_max_bytes,
+                ),
             )
         )
         log.info("journal recovered in %.3fs", time.monotonic() - started)
@@ -1202,8 +1219,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="the largest message body a client may send, in bytes (default: 64 MiB, the "
         "client's MAX_MESSAGE_BYTES); a larger one is refused with this limit named",
     )
+    p.add_argument(
+        "--duplicate-id-cache-size",
+        type=_count,
+        default=20_000,
+        help="duplicate ids each address keeps whatever their age (0: no duplicate detection)",
+    )
+    p.add_argument(
+        "--duplicate-id-retention",
+        type=_seconds,
+        default=DEFAULT_DUPLICATE_ID_RETENTION,
+        help="seconds a duplicate id is kept beyond that count (default: 3600)",
+    )
+    p.add_argument(
+        "--duplicate-id-max-bytes",
+        type=_positive_bytes,
+        default=DEFAULT_DUPLICATE_ID_MAX_BYTES,
+        help="the most bytes of duplicate ids one address keeps, retention or not "
+        "(default: 64 MiB); reaching it is logged once per address",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < 1e12:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, not {text}")
+    return value
 
 
 def _positive_bytes(text: str) -> int:
@@ -1247,6 +1303,9 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         pair_secret_file=args.pair_secret_file,
         amqp_message_id_duplicates=args.amqp_message_id_duplicates,
         max_message_size=args.max_message_size,
+        duplicate_id_cache_size=args.duplicate_id_cache_size,
+        duplicate_id_retention=args.duplicate_id_retention,
+        duplicate_id_max_bytes=args.duplicate_id_max_bytes,
     )
 
 

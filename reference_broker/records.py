@@ -16,7 +16,10 @@ Theory of operation
   new id). DELIVERY_COUNT keeps the failed-delivery count across a requeue. The order of
   MESSAGE_ADD and DEAD_LETTER records is the order of every queue.
 - DUPLICATE_ID enters an id in an address's duplicate-id cache; MESSAGE_ADD carries the id of
-  the message it adds, so a stamped send costs one record, not two.
+  the message it adds, so a stamped send costs one record, not two. Each carries the time
+  (wall clock, seconds) the id entered the cache, so that the retention by time survives a
+  restart and a failover; records written before times were kept have none (None), and the
+  engine then counts the id from when it recovers it.
 - A transaction is written only when it commits: its TX_ADD, TX_ACK and TX_DUPLICATE_ID
   records, then TX_COMMIT. Recovery applies a transaction at its TX_COMMIT and ignores one
   whose TX_COMMIT never reached the journal (a torn tail), so a commit is all or nothing.
@@ -38,9 +41,12 @@ Encoding (all integers little-endian)
 - name: u16 byte length + UTF-8 (queue names, addresses, duplicate ids).
 - text: u32 byte length + UTF-8 (header names and values); blob: u32 length + bytes (body).
 - UTF-8 uses "surrogatepass" so that every Python str round-trips.
-- A message: u64 id, u8 flags (1 persistent, 2 has expiration, 4 has duplicate id),
-  u8 priority, f64 expiration (0.0 when none), u32 header count, name address,
-  [name duplicate id], header count x (text name, text value), blob body.
+- A message: u64 id, u8 flags (1 persistent, 2 has expiration, 4 has duplicate id, 8 has
+  duplicate time, only with 4), u8 priority, f64 expiration (0.0 when none), u32 header
+  count, name address, [name duplicate id, [f64 duplicate time]], header count x (text name,
+  text value), blob body.
+- DUPLICATE_ID: name address, name duplicate id, [f64 time].  TX_DUPLICATE_ID: u64 tx, then
+  the same.
 - MESSAGE_ADD: u16 queue count, that many names, then a message.  TX_ADD: u64 tx, then the same.
 - CHECKPOINT_BEGIN, CHECKPOINT_END: u64 checkpoint id.
 """
@@ -117,13 +123,15 @@ ENGINE_RECORD_TYPES: Final = frozenset(int(t) for t in RecordType)
 _FLAG_PERSISTENT: Final = 1
 _FLAG_EXPIRES: Final = 2
 _FLAG_DUPLICATE_ID: Final = 4
-_KNOWN_FLAGS: Final = _FLAG_PERSISTENT | _FLAG_EXPIRES | _FLAG_DUPLICATE_ID
+_FLAG_DUPLICATE_TIME: Final = 8
+_KNOWN_FLAGS: Final = _FLAG_PERSISTENT | _FLAG_EXPIRES | _FLAG_DUPLICATE_ID | _FLAG_DUPLICATE_TIME
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _U64_U64 = struct.Struct("<QQ")
 _U64_U32 = struct.Struct("<QI")
+_F64 = struct.Struct("<d")
 _MESSAGE_HEAD = struct.Struct("<QBBdI")  # id, flags, priority, expiration, header count
 
 _MAX_NAME_BYTES: Final = 0xFFFF
@@ -147,7 +155,15 @@ def _u64(value: int, what: str) -> bytes:
     return _U64.pack(value)
 
 
-def _encode_message(message: Message, duplicate_id: str | None, parts: list[bytes]) -> None:
+def _time(value: float, what: str) -> bytes:
+    if value != value or value in (math.inf, -math.inf):
+        raise RecordError(f"{what} must be a finite time, not {value!r}")
+    return _F64.pack(value)
+
+
+def _encode_message(
+    message: Message, duplicate_id: str | None, duplicate_time: float | None, parts: list[bytes]
+) -> None:
     flags = 0
     if message.persistent:
         flags = _FLAG_PERSISTENT
@@ -158,6 +174,8 @@ def _encode_message(message: Message, duplicate_id: str | None, parts: list[byte
         flags |= _FLAG_EXPIRES
     if duplicate_id is not None:
         flags |= _FLAG_DUPLICATE_ID
+        if duplicate_time is not None:
+            flags |= _FLAG_DUPLICATE_TIME
     headers = message.headers
     if not 0 <= message.priority <= 9:
         # decode() would refuse it: never write what cannot be read back.
@@ -177,6 +195,8 @@ def _encode_message(message: Message, duplicate_id: str | None, parts: list[byte
     parts.append(_name(message.address, "address"))
     if duplicate_id is not None:
         parts.append(_name(duplicate_id, "duplicate id"))
+        if duplicate_time is not None:
+            parts.append(_time(duplicate_time, "duplicate time"))
     pack_u32 = _U32.pack
     for key, value in headers.items():
         k = key.encode("utf-8", "surrogatepass")
@@ -235,11 +255,12 @@ class MessageAdd:
     queues: tuple[str, ...]
     message: Message
     duplicate_id: str | None = None
+    duplicate_time: float | None = None  # when the id entered the cache (wall clock)
 
     def encode(self) -> tuple[int, bytes]:
         parts: list[bytes] = []
         _encode_queues(self.queues, parts)
-        _encode_message(self.message, self.duplicate_id, parts)
+        _encode_message(self.message, self.duplicate_id, self.duplicate_time, parts)
         return self.TYPE, b"".join(parts)
 
 
@@ -304,9 +325,13 @@ class DuplicateId:
     TYPE: ClassVar[RecordType] = RecordType.DUPLICATE_ID
     address: str
     duplicate_id: str
+    time: float | None = None  # when the id entered the cache (wall clock)
 
     def encode(self) -> tuple[int, bytes]:
-        return self.TYPE, _name(self.address, "address") + _name(self.duplicate_id, "duplicate id")
+        payload = _name(self.address, "address") + _name(self.duplicate_id, "duplicate id")
+        if self.time is not None:
+            payload += _time(self.time, "duplicate time")
+        return self.TYPE, payload
 
 
 @attrs.frozen
@@ -318,11 +343,12 @@ class TxAdd:
     queues: tuple[str, ...]
     message: Message
     duplicate_id: str | None = None
+    duplicate_time: float | None = None
 
     def encode(self) -> tuple[int, bytes]:
         parts = [_u64(self.tx, "transaction id")]
         _encode_queues(self.queues, parts)
-        _encode_message(self.message, self.duplicate_id, parts)
+        _encode_message(self.message, self.duplicate_id, self.duplicate_time, parts)
         return self.TYPE, b"".join(parts)
 
 
@@ -353,6 +379,7 @@ class TxDuplicateId:
     tx: int
     address: str
     duplicate_id: str
+    time: float | None = None
 
     def encode(self) -> tuple[int, bytes]:
         return self.TYPE, b"".join(
@@ -360,6 +387,7 @@ class TxDuplicateId:
                 _u64(self.tx, "transaction id"),
                 _name(self.address, "address"),
                 _name(self.duplicate_id, "duplicate id"),
+                b"" if self.time is None else _time(self.time, "duplicate time"),
             )
         )
 
@@ -504,12 +532,21 @@ class _Reader:
             )
         return n
 
+    def time(self, what: str) -> float:
+        (value,) = _F64.unpack_from(self.buf, self._take(8, what))
+        if not math.isfinite(value):
+            raise RecordError(f"{what} is {value!r}, not a finite time")
+        return float(value)
+
+    def optional_time(self, what: str) -> float | None:
+        return None if self.pos == self.end else self.time(what)
+
     def finish(self) -> None:
         if self.pos != self.end:
             raise RecordError(f"{self.end - self.pos} unexpected bytes after the record")
 
 
-def _decode_message(r: _Reader) -> tuple[Message, str | None]:
+def _decode_message(r: _Reader) -> tuple[Message, str | None, float | None]:
     message_id, flags, priority, expiration, n_headers = r.unpack(_MESSAGE_HEAD, "message head")
     if flags & ~_KNOWN_FLAGS:
         raise RecordError(f"unknown message flags {flags:#04x}")
@@ -521,6 +558,11 @@ def _decode_message(r: _Reader) -> tuple[Message, str | None]:
         raise RecordError("message without expiration carries an expiration time")
     address = r.name("address")
     duplicate_id = r.name("duplicate id") if flags & _FLAG_DUPLICATE_ID else None
+    duplicate_time = None
+    if flags & _FLAG_DUPLICATE_TIME:
+        if duplicate_id is None:
+            raise RecordError("a duplicate time without a duplicate id")
+        duplicate_time = r.time("duplicate time")
     headers: dict[str, str] = {}
     for _ in range(r.count(n_headers, 8, "header")):
         key = r.text("header name")
@@ -537,7 +579,7 @@ def _decode_message(r: _Reader) -> tuple[Message, str | None]:
         priority,
         expiration if flags & _FLAG_EXPIRES else None,
     )
-    return message, duplicate_id
+    return message, duplicate_id, duplicate_time
 
 
 def _decode_queues(r: _Reader) -> tuple[str, ...]:
@@ -555,8 +597,8 @@ def _queue_delete(r: _Reader) -> Record:
 
 def _message_add(r: _Reader) -> Record:
     queues = _decode_queues(r)
-    message, duplicate_id = _decode_message(r)
-    return MessageAdd(queues, message, duplicate_id)
+    message, duplicate_id, duplicate_time = _decode_message(r)
+    return MessageAdd(queues, message, duplicate_id, duplicate_time)
 
 
 def _message_ack(r: _Reader) -> Record:
@@ -577,14 +619,14 @@ def _dead_letter(r: _Reader) -> Record:
 
 
 def _duplicate_id(r: _Reader) -> Record:
-    return DuplicateId(r.name("address"), r.name("duplicate id"))
+    return DuplicateId(r.name("address"), r.name("duplicate id"), r.optional_time("duplicate time"))
 
 
 def _tx_add(r: _Reader) -> Record:
     tx = r.u64("transaction id")
     queues = _decode_queues(r)
-    message, duplicate_id = _decode_message(r)
-    return TxAdd(tx, queues, message, duplicate_id)
+    message, duplicate_id, duplicate_time = _decode_message(r)
+    return TxAdd(tx, queues, message, duplicate_id, duplicate_time)
 
 
 def _tx_ack(r: _Reader) -> Record:
@@ -592,7 +634,12 @@ def _tx_ack(r: _Reader) -> Record:
 
 
 def _tx_duplicate_id(r: _Reader) -> Record:
-    return TxDuplicateId(r.u64("transaction id"), r.name("address"), r.name("duplicate id"))
+    return TxDuplicateId(
+        r.u64("transaction id"),
+        r.name("address"),
+        r.name("duplicate id"),
+        r.optional_time("duplicate time"),
+    )
 
 
 def _tx_commit(r: _Reader) -> Record:
@@ -637,6 +684,7 @@ _DECODERS: Final[dict[int, Callable[[_Reader], Record]]] = {
 _U16_AT: Final = _U16.unpack_from
 _U32_AT: Final = _U32.unpack_from
 _HEAD_AT: Final = _MESSAGE_HEAD.unpack_from
+_F64_AT: Final = _F64.unpack_from
 
 
 def _fast_message_add(payload: bytes) -> Record | None:
@@ -673,6 +721,7 @@ def _fast_message_add(payload: bytes) -> Record | None:
         address = payload[pos : pos + n].decode("utf-8", "surrogatepass")
         pos += n
         duplicate_id = None
+        duplicate_time = None
         if flags & _FLAG_DUPLICATE_ID:
             (n,) = _U16_AT(payload, pos)
             pos += 2
@@ -680,6 +729,13 @@ def _fast_message_add(payload: bytes) -> Record | None:
                 return None
             duplicate_id = payload[pos : pos + n].decode("utf-8", "surrogatepass")
             pos += n
+            if flags & _FLAG_DUPLICATE_TIME:
+                (duplicate_time,) = _F64_AT(payload, pos)
+                pos += 8
+                if not math.isfinite(duplicate_time):
+                    return None
+        elif flags & _FLAG_DUPLICATE_TIME:
+            return None
         headers: dict[str, str] = {}
         for _ in range(n_headers):
             (n,) = _U32_AT(payload, pos)
@@ -712,7 +768,7 @@ def _fast_message_add(payload: bytes) -> Record | None:
         priority,
         expiration if has_expiration else None,
     )
-    return MessageAdd(tuple(queues), message, duplicate_id)
+    return MessageAdd(tuple(queues), message, duplicate_id, duplicate_time)
 
 
 def decode(record_type: int, payload: bytes | bytearray | memoryview) -> Record:

@@ -83,9 +83,12 @@ def recovered(engine: Engine, records: list[Record]) -> Engine:
     return Engine.recover(round_trip(records), engine.config)
 
 
+NOW = 1_800_000_000.0  # the engines' wall clock in these tests: records carry it
+
+
 @pytest.fixture
 def engine() -> Engine:
-    return Engine()
+    return Engine(EngineConfig(clock=lambda: NOW))
 
 
 # --- queues and dispatch ----------------------------------------------------------------------
@@ -399,7 +402,7 @@ def test_a_durable_subscription_keeps_messages_without_consumers(engine: Engine)
     sub = f"{T}::c1.s"
     assert engine.drain_records() == [
         QueueCreate(sub, T),
-        MessageAdd((sub,), engine.browse(sub)[0], "d"),
+        MessageAdd((sub,), engine.browse(sub)[0], "d", NOW),
     ]
     again = engine.subscribe(engine.connect(), T, subscription="c1.s")
     assert ids(engine.poll(0.0)) == [sent]
@@ -500,7 +503,7 @@ def test_sends_in_a_transaction_wait_for_commit(engine: Engine) -> None:
     assert (ma.id, mb.id) == (a, b)
     assert engine.drain_records() == [
         TxAdd(tx, (Q,), ma),
-        TxAdd(tx, (Q,), mb, "d"),
+        TxAdd(tx, (Q,), mb, "d", NOW),
         TxCommit(tx),
     ]
     with pytest.raises(UnknownTransactionError, match="'t1'"):
@@ -607,7 +610,7 @@ def test_a_duplicate_is_dropped_but_accepted(engine: Engine) -> None:
 
 
 def test_the_duplicate_cache_evicts_oldest_first() -> None:
-    engine = Engine(EngineConfig(duplicate_cache_size=2))
+    engine = Engine(EngineConfig(duplicate_cache_size=2, duplicate_id_retention=0))
     for d in ("a", "b", "c"):
         engine.send(Q, b"", persistent=True, duplicate_id=d)
     assert engine.persistent_state().duplicate_ids == {Q: ("b", "c")}
@@ -624,7 +627,7 @@ def test_non_persistent_sends_are_checked_but_not_remembered(engine: Engine) -> 
 
 def test_a_duplicate_id_without_a_durable_queue_is_written_alone(engine: Engine) -> None:
     engine.send(T, b"", persistent=True, duplicate_id="x")
-    assert engine.drain_records() == [DuplicateId(T, "x")]
+    assert engine.drain_records() == [DuplicateId(T, "x", NOW)]
     assert engine.send(T, b"", persistent=True, duplicate_id="x") is None
 
 
@@ -1107,7 +1110,10 @@ class EngineMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        self.config = EngineConfig(max_delivery_attempts=MAX_ATTEMPTS, duplicate_cache_size=CACHE)
+        # Retention 0: the cache is bounded by its count alone, as the model is.
+        self.config = EngineConfig(
+            max_delivery_attempts=MAX_ATTEMPTS, duplicate_cache_size=CACHE, duplicate_id_retention=0
+        )
         self.engine = Engine(self.config)
         self.journal: list[tuple[int, bytes]] = []
         self.now = 0.0
