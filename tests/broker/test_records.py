@@ -162,7 +162,7 @@ def _message_add_payload(flags: int, priority: int, expiration: float) -> bytes:
 @pytest.mark.parametrize(
     ("flags", "priority", "expiration", "words"),
     [
-        (0x08, 4, 0.0, "unknown message flags"),
+        (0x10, 4, 0.0, "unknown message flags"),
         (0x01, 10, 0.0, "priority 10 is outside 0-9"),
         (0x03, 4, math.nan, "NaN"),
         (0x01, 4, 5.0, "without expiration carries an expiration"),
