@@ -1,16 +1,20 @@
 """Rows per second through the Spark sink against raw stomp.py in foreachPartition, one run.
 
-Run: .venv/bin/python benchmarks/spark.py [--rows N] [--repeats R]
+Run: .venv/bin/python benchmarks/spark.py [--rows N] [--repeats R] [--master M ...]
 
-Both sides publish the same cached DataFrame (2 partitions on local[2], 100-byte string
-bodies) as persistent messages to the bundled pair (live + synchronized backup), and both
-wait until the broker confirmed every row:
-- sink: df.write.format("hafailover"), exactly-once (a duplicate id per row), through the
-  worker's shared failover connection and its confirmation window;
+Both sides publish the same cached DataFrame (2 partitions, 100-byte string bodies) as
+persistent messages to the bundled pair (live + synchronized backup), and both wait until the
+broker confirmed every row:
+- sink: df.write.format("hafailover"), exactly-once, without a key: a duplicate id per row
+  from the row's content (a digest each);
+- sink, positional ids: the same with positional_ids=true (no digest), to show what content
+  ids cost;
 - baseline: df.foreachPartition with one raw stomp.py connection per partition to the live,
   a receipt on every send, at most --window unconfirmed (as benchmarks/broker.py).
-The figure is the best of --repeats for each side, the two interleaved. Target: sink >= 0.8
-x baseline.
+Each --master is measured in turn in the same run (default: local[2], then
+local-cluster[2,1,1024]: two executor processes of one core, as on a real cluster). The
+figure is the best of --repeats for each side, the sides interleaved. Target: sink >= 0.8 x
+baseline.
 """
 
 from __future__ import annotations
@@ -75,75 +79,104 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=50_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--window", type=int, default=1_000)
+    parser.add_argument(
+        "--master", action="append", help="Spark master(s) to measure on, in turn (repeatable)"
+    )
     args = parser.parse_args()
+    masters = args.master or ["local[2]", "local-cluster[2,1,1024]"]
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
     )
+    import pyspark
+
+    # local-cluster starts its executors with the distribution's scripts: pip's PySpark is one.
+    os.environ.setdefault("SPARK_HOME", str(Path(pyspark.__file__).parent))
+    with (
+        tempfile.TemporaryDirectory() as scratch,
+        # A long heartbeat timeout: on a busy machine a starved live must not be failed over
+        # in the middle of a run (the raw side talks to the live only).
+        BrokerPair(scratch, user=USER, password=PASSWORD, heartbeat_timeout=5.0) as pair,
+    ):
+        results = [(master, measure(master, pair, args)) for master in masters]
+
+    for master, best in results:
+        print(
+            f"rows: {args.rows:,} in 2 partitions, 100-byte bodies, {master}, "
+            f"best of {args.repeats}"
+        )
+        print(f"  foreachPartition + raw stomp.py:     {best['raw']:,.0f} rows/s")
+        print(f"  hafailover sink (content ids):       {best['sink']:,.0f} rows/s")
+        print(f"  hafailover sink (positional ids):    {best['positional']:,.0f} rows/s")
+        print(f"  sink / raw: {best['sink'] / best['raw']:.2f} (target >= 0.8)")
+        print(f"  content / positional ids: {best['sink'] / best['positional']:.2f}")
+
+
+def measure(master: str, pair: BrokerPair, args: argparse.Namespace) -> dict[str, float]:
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F  # noqa: N812 - PySpark's own convention
 
     from hafailover.spark import register
 
     spark = (
-        SparkSession.builder.master("local[2]")
+        SparkSession.builder.master(master)
         .appName("hafailover-bench")
         .config("spark.ui.enabled", "false")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.executor.memory", "512m")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
+    port = pair.live.stomp_port
 
-    with (
-        tempfile.TemporaryDirectory() as scratch,
-        BrokerPair(scratch, user=USER, password=PASSWORD) as pair,
-    ):
-        port = pair.live.stomp_port
+    def sink(df: Any, queue: str, **options: str) -> None:
+        writer = (
+            df.write.format("hafailover")
+            .option("url", pair.stomp_url)
+            .option("user", USER)
+            .option("password", PASSWORD)
+            .option("destination", f"queue://{queue}")
+        )
+        for name, value in options.items():
+            writer = writer.option(name, value)
+        writer.mode("append").save()
 
-        def sink(df: Any, queue: str) -> None:
-            (
-                df.write.format("hafailover")
-                .option("url", pair.stomp_url)
-                .option("destination", f"queue://{queue}")
-                .mode("append")
-                .save()
-            )
+    def positional(df: Any, queue: str) -> None:
+        sink(df, queue, positional_ids="true")
 
-        def baseline(df: Any, queue: str) -> None:
-            window = args.window
-            df.foreachPartition(lambda rows: publish_raw(port, f"/queue/{queue}", window, rows))
+    def baseline(df: Any, queue: str) -> None:
+        window = args.window
+        df.foreachPartition(lambda rows: publish_raw(port, f"/queue/{queue}", window, rows))
 
-        def frame(rows: int) -> Any:
-            df = spark.range(rows, numPartitions=2).select(
-                F.format_string("%0100d", "id").alias("body")
-            )
-            df.cache().count()
-            return df
+    def frame(rows: int) -> Any:
+        df = spark.range(rows, numPartitions=2).select(
+            F.format_string("%0100d", "id").alias("body")
+        )
+        df.cache().count()
+        return df
 
+    tag = "".join(c for c in master if c.isalnum())
+    try:
         # Warm up: Python workers started, connections made, code imported.
         warm = frame(2_000)
-        sink(warm, "warm-sink")
-        baseline(warm, "warm-raw")
+        sink(warm, f"warm-sink-{tag}")
+        baseline(warm, f"warm-raw-{tag}")
 
         df = frame(args.rows)
-        best = {"sink": 0.0, "raw": 0.0}
+        best = {"sink": 0.0, "positional": 0.0, "raw": 0.0}
         for repeat in range(args.repeats):
-            for name, run in (("raw", baseline), ("sink", sink)):
+            for name, run in (("raw", baseline), ("sink", sink), ("positional", positional)):
                 started = time.perf_counter()
-                run(df, f"bench-{name}-{repeat}")
+                run(df, f"bench-{tag}-{name}-{repeat}")
                 rate = args.rows / (time.perf_counter() - started)
                 best[name] = max(best[name], rate)
-                print(f"  {name:4} run {repeat + 1}: {rate:,.0f} rows/s", flush=True)
-    spark.stop()
-
-    ratio = best["sink"] / best["raw"]
-    print(f"rows: {args.rows:,} in 2 partitions, 100-byte bodies, local[2], best of {args.repeats}")
-    print(f"foreachPartition + raw stomp.py: {best['raw']:,.0f} rows/s")
-    print(f"hafailover sink (exactly-once):  {best['sink']:,.0f} rows/s")
-    print(f"sink / raw: {ratio:.2f} (target >= 0.8)")
+                print(f"  {master} {name:10} run {repeat + 1}: {rate:,.0f} rows/s", flush=True)
+        return best
+    finally:
+        spark.stop()
 
 
 if __name__ == "__main__":
