@@ -50,9 +50,9 @@ def test_a_lost_handover_ready_still_leaves_a_live(
         network.block("backup", "live")
     finally:
         fault_pair.resume(acting)
-    time.sleep(3.0)
+    time.sleep(2.0)
     network.heal()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 10
     while not any(node.role == "live" for node in fault_pair.nodes):
         roles = [(n.name, n.status().get("role"), n.status().get("activation")) for n in
                  fault_pair.nodes]  # fmt: skip
