@@ -47,6 +47,8 @@ class HeldSession(Protocol):
 # The same as the client's MAX_MESSAGE_BYTES: what a hafailover producer lets through (its
 # measure counts headers too, so it is the stricter), a default broker accepts.
 DEFAULT_MAX_MESSAGE_SIZE: Final = 64 * 1024 * 1024
+# Well under what a node's file descriptors allow once raised from the usual 1024.
+DEFAULT_MAX_CONNECTIONS: Final = 10_000
 
 
 @attrs.frozen
@@ -67,6 +69,10 @@ class ServeConfig:
     amqp_message_id_duplicates: bool = False
     # The largest message body a client may send on either protocol (--max-message-size).
     max_body_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    # Logged-in client connections the node serves at once, in all and per user (0: no cap);
+    # one more is refused with the cap named (--max-connections, --max-connections-per-user).
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_user: int = 0
     # Unsettled deliveries a client-acknowledge consumer may hold unless it asks otherwise.
     default_prefetch: int = 1000
 
@@ -98,6 +104,44 @@ class BrokerCore:
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
         self._next_session = 0
+        self._admitted: dict[object, str | None] = {}  # connection -> its user
+        self._per_user: dict[str | None, int] = {}
+
+    # --- connection caps -------------------------------------------------------------------
+
+    def admit(self, connection: object, user: str | None) -> str | None:
+        """Count a logged-in ``connection`` against the caps: None, or why it is refused."""
+        config = self.config
+        if config.max_connections and len(self._admitted) >= config.max_connections:
+            return (
+                f"too many connections: this node serves at most {config.max_connections} "
+                "(--max-connections)"
+            )
+        per_user = self._per_user.get(user, 0)
+        if config.max_connections_per_user and per_user >= config.max_connections_per_user:
+            return (
+                f"too many connections for user {user!r}: at most "
+                f"{config.max_connections_per_user} each (--max-connections-per-user)"
+            )
+        self._admitted[connection] = user
+        self._per_user[user] = per_user + 1
+        return None
+
+    def release(self, connection: object) -> None:
+        """``connection`` ended: it no longer counts (nothing if it was never admitted)."""
+        if connection not in self._admitted:
+            return
+        user = self._admitted.pop(connection)
+        left = self._per_user[user] - 1
+        if left:
+            self._per_user[user] = left
+        else:
+            del self._per_user[user]
+
+    @property
+    def connections(self) -> int:
+        """Logged-in client connections counted against --max-connections."""
+        return len(self._admitted)
 
     # --- the loop turn ---------------------------------------------------------------------
 

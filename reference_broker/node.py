@@ -72,7 +72,12 @@ import attrs
 
 from reference_broker._files import PRIVATE_DIRECTORY, replace_atomically
 from reference_broker.amqp.server import AmqpConnection
-from reference_broker.core import DEFAULT_MAX_MESSAGE_SIZE, BrokerCore, ServeConfig
+from reference_broker.core import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    BrokerCore,
+    ServeConfig,
+)
 from reference_broker.engine import (
     DEFAULT_DUPLICATE_ID_MAX_BYTES,
     DEFAULT_DUPLICATE_ID_RETENTION,
@@ -158,6 +163,9 @@ class NodeConfig:
     amqp_message_id_duplicates: bool = False
     # The largest message body a client may send (STOMP and AMQP); larger ones are refused.
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    # Logged-in client connections served at once, in all and per user (0: no cap).
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_user: int = 0
     max_connection_ttl: float = 300.0
     segment_size: int = DEFAULT_SEGMENT_SIZE
     checkpoint_segments: int = CHECKPOINT_SEGMENTS
@@ -630,6 +638,8 @@ class Node:
                 allow_anonymous=config.allow_anonymous,
                 amqp_message_id_duplicates=config.amqp_message_id_duplicates,
                 max_body_size=config.max_message_size,
+                max_connections=config.max_connections,
+                max_connections_per_user=config.max_connections_per_user,
                 topology_extension=config.topology_extension,
             ),
             may_serve=self.may_serve,
@@ -1238,8 +1248,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most bytes of duplicate ids one address keeps, retention or not "
         "(default: 64 MiB); reaching it is logged once per address",
     )
+    p.add_argument(
+        "--max-connections",
+        type=_cap,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="logged-in client connections served at once, both protocols together "
+        f"(default: {DEFAULT_MAX_CONNECTIONS}; 0: no cap)",
+    )
+    p.add_argument(
+        "--max-connections-per-user",
+        type=_cap,
+        default=0,
+        help="logged-in client connections one user may hold at once (default 0: no cap)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _cap(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no cap) or more, not {value}")
+    return value
 
 
 def _count(text: str) -> int:
@@ -1303,6 +1336,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         pair_secret_file=args.pair_secret_file,
         amqp_message_id_duplicates=args.amqp_message_id_duplicates,
         max_message_size=args.max_message_size,
+        max_connections=args.max_connections,
+        max_connections_per_user=args.max_connections_per_user,
         duplicate_id_cache_size=args.duplicate_id_cache_size,
         duplicate_id_retention=args.duplicate_id_retention,
         duplicate_id_max_bytes=args.duplicate_id_max_bytes,

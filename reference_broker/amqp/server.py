@@ -317,6 +317,7 @@ class AmqpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self.core.release(self)
         for timer in (self._tick_handle, self._handshake_timer, self._abort_timer):
             if timer is not None:
                 timer.cancel()
@@ -534,6 +535,10 @@ class AmqpConnection(asyncio.Protocol):
         connection.container = self.core.config.node_id
         if self._refusal is None and not self.core.may_serve():
             self._refusal = ("amqp:connection:forced", "this node is not active: use the live")
+        if self._refusal is None:
+            refused = self.core.admit(self, self.user)
+            if refused is not None:
+                self._refusal = ("amqp:resource-limit-exceeded", refused)
         if self._refusal is not None:
             name, text = self._refusal
             connection.open()

@@ -248,6 +248,7 @@ class StompConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self.core.release(self)
         if self._on_lost is not None:
             self._on_lost(self)
         if self._heartbeat_task is not None:
@@ -374,6 +375,10 @@ class StompConnection(asyncio.Protocol):
     def _connected(self, frame: Frame, version: str, user: str | None) -> None:
         if not self.core.may_serve():
             self._error("this node is not active: connect to the live node")
+            return
+        refused = self.core.admit(self, user)
+        if refused is not None:
+            self._error(refused)
             return
         try:
             # STOMP 1.0 has no heart-beating.
