@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 
 import pytest
 
@@ -199,4 +200,34 @@ def test_a_flush_that_may_not_wait_leaves_the_rest_first_in_line() -> None:
     outbox.put(b"FRAME-2")
     outbox.flush()  # a writer that may wait
     assert b"".join(written) == b"FRAME-1FRAME-2"
+    assert not outbox.pending
+
+
+def test_a_writer_that_may_block_takes_over_from_one_that_never_does() -> None:
+    """The AMQP reader holds the write lock only for writes that never block; a thread
+    flushing what it queued meanwhile waits for it and writes the rest itself, instead of
+    leaving it for whichever thread flushes next (a consumer's acknowledge, say)."""
+    holding = threading.Event()
+    go = threading.Event()
+    written: list[bytes] = []
+
+    def write_some(data: bytes | memoryview) -> int:
+        holding.set()
+        go.wait(5)
+        written.append(bytes(data[:2]))
+        return 2
+
+    outbox = Outbox(lambda data: written.append(bytes(data)), lambda error: None, write_some)
+    outbox.put(b"AB")
+    reader = threading.Thread(target=outbox.flush, kwargs={"wait": False}, daemon=True)
+    reader.start()
+    assert holding.wait(5)
+    outbox.put(b"BIG-SEND")
+    producer = threading.Thread(target=outbox.flush, daemon=True)
+    producer.start()
+    time.sleep(0.01)  # the producer finds the lock taken
+    go.set()
+    reader.join(5)
+    producer.join(5)
+    assert b"".join(written) == b"ABBIG-SEND"
     assert not outbox.pending

@@ -31,11 +31,22 @@ Chunk = bytes | memoryview
 
 log = logging.getLogger(__name__)
 
+# How long a writer that may block waits for the lock held by one that never does.
+_HANDOVER = 0.05
+
 
 class Outbox:
     """Frames queued in order, written by whichever thread holds the write lock."""
 
-    __slots__ = ("_broken", "_failed", "_queue", "_write", "_write_lock", "_write_some")
+    __slots__ = (
+        "_broken",
+        "_failed",
+        "_holder_waits",
+        "_queue",
+        "_write",
+        "_write_lock",
+        "_write_some",
+    )
 
     def __init__(
         self,
@@ -52,6 +63,7 @@ class Outbox:
         self._write_some = write_some
         self._failed = failed
         self._broken = False
+        self._holder_waits = False  # the write lock's holder may block in its write
 
     def put(self, data: bytes) -> None:
         """Queue one frame (or several encoded together): never blocks, never splits it."""
@@ -111,8 +123,15 @@ class Outbox:
         queue = self._queue
         write_some = None if wait else self._write_some
         while queue:
-            if not self._write_lock.acquire(blocking=False):
-                return  # the writer loops until the outbox is empty
+            if not self._write_lock.acquire(blocking=False) and (
+                write_some is not None
+                or self._holder_waits
+                # Held by a writer that never blocks (the AMQP reader): it lets go at once,
+                # maybe leaving a remainder this thread, which queued it, should write.
+                or not self._write_lock.acquire(timeout=_HANDOVER)
+            ):
+                return  # the writer loops until the outbox is empty (or the reader polls)
+            self._holder_waits = write_some is None
             error: Exception | None = None
             full = False
             try:
@@ -140,6 +159,7 @@ class Outbox:
                         full = True
                         break
             finally:
+                self._holder_waits = False
                 self._write_lock.release()
             if error is not None:
                 self._report(error)

@@ -8,24 +8,26 @@ outbox's write lock, and, for a request made under the driver's lock, only once 
 released too (``flush_later``). So a write the broker does not take never holds the engine
 lock: the reader goes on reading, ticking proton's heart-beats and noticing the broker's
 silence. One reader thread waits for the socket or for proton's next deadline (heart-beats,
-the broker's silence), pushes what it read and writes what proton answers, never waiting:
-what the socket does not take now stays first in the outbox, and the reader polls for room
-while bytes are pending and no other thread is writing (one that is writes them too). The
+the broker's silence), pushes what it read and writes what proton answers. No thread waits
+in a write: each writes what the socket takes now; the rest stays first in the outbox, and
+the reader (woken through an eventfd) polls for room while bytes are pending and no other
+thread is writing, and writes them as room comes. The
 events the engine queues are called with the lock released, by one thread at a time and in
 the order they were queued: whichever thread queued them calls them, unless another is
 calling events already, which then calls them too.
 
 A call that waits for the broker (open, subscribe, declare, discharge, a temporary queue)
 blocks its caller on the engine's ``Pending``, bounded by a timeout; waiting on the reader
-thread itself would deadlock, and raises IllegalStateError instead. A write that fails or
-does not finish within the broker's idle timeout is a loss noticed by the writer: the engine
-reports it once (``on_lost``), whatever thread noticed first.
+thread itself would deadlock, and raises IllegalStateError instead. A write that fails (or,
+on close, does not finish within the socket's timeout) is a loss noticed by the writer: the
+engine reports it once (``on_lost``), whatever thread noticed first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import socket
 import threading
@@ -65,13 +67,6 @@ _CLOSE_GRACE: Final = 2.0
 _READ_SIZE: Final = 256 * 1024
 
 
-def _writable(sock: socket.socket) -> bool:
-    """Whether ``sock`` has room to write now."""
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    return bool(poller.poll(0))
-
-
 class AmqpTransport:
     """A single AMQP 1.0 connection; ``open`` blocks until the broker's Open or failure."""
 
@@ -104,6 +99,10 @@ class AmqpTransport:
         self._dispatching = False
         self._ended = threading.Event()  # the reader has left: the socket is closed
         self._outbox = Outbox(self._send_bytes, self._write_failed, self._send_some)
+        # Wakes the reader when a thread left bytes the socket had no room for: the reader
+        # writes them once there is (no application thread ever waits in a write).
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()  # closed under it: never written once closed
         self._flush_later = flush_later
 
     @property
@@ -128,6 +127,7 @@ class AmqpTransport:
         except OSError as exc:
             with self._lock:
                 self._engine.abort()
+            self._close_wake()
             self._ended.set()
             raise NotConnectedError(f"cannot connect to {broker.redacted()}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -272,6 +272,7 @@ class AmqpTransport:
         here = threading.current_thread()
         if reader is None or reader.ident is None:  # never started: nobody else closes it
             self._close_socket()
+            self._close_wake()
             self._ended.set()
             return
         if reader is not here:
@@ -295,9 +296,9 @@ class AmqpTransport:
             self._dispatch()
         if self._outbox.pending:
             if self._flush_later is None:
-                self._outbox.flush()
+                self._write_now()
             else:
-                self._flush_later(self._outbox.flush)
+                self._flush_later(self._write_now)
 
     def _wait(
         self,
@@ -322,7 +323,7 @@ class AmqpTransport:
             start()
         if events:
             self._dispatch()
-        self._outbox.flush()  # a call that waits is made without the driver's lock
+        self._write_now()  # a call that waits is made without the driver's lock
         limit = self.call_timeout if timeout is None else timeout
         if not answered.wait(limit):
             with self._lock:
@@ -340,6 +341,21 @@ class AmqpTransport:
             self._outbox.put(data)
         return engine.has_events
 
+    def _write_now(self) -> None:
+        """Write what the socket takes now; leave the rest to the reader (woken for it)."""
+        outbox = self._outbox
+        outbox.flush(wait=False)
+        if outbox.pending:
+            with self._wake_lock:
+                if self._wake >= 0:
+                    os.eventfd_write(self._wake, 1)
+
+    def _close_wake(self) -> None:
+        with self._wake_lock:
+            wake, self._wake = self._wake, -1
+        if wake >= 0:
+            os.close(wake)
+
     def _send_bytes(self, data: Chunk) -> None:
         """The outbox's write (under its write lock only). The socket's timeout bounds a
         write the broker does not take."""
@@ -349,14 +365,16 @@ class AmqpTransport:
         sock.sendall(data)
 
     def _send_some(self, data: Chunk) -> int:
-        """The reader's write: what the socket takes now, never waiting (a socket with a
-        timeout waits for room before it sends, so room is looked for first)."""
+        """The reader's write: what the socket takes now, never waiting. Straight to the
+        descriptor, which a socket with a timeout keeps non-blocking (its ``send`` would
+        wait for room first)."""
         sock = self._socket
         if sock is None:
             raise NotConnectedError(f"{self._broker_text()}: the connection is not open")
-        if not _writable(sock):
+        try:
+            return os.write(sock.fileno(), data)
+        except BlockingIOError:
             return 0
-        return sock.send(data)
 
     def _write_failed(self, error: Exception) -> None:
         """A write failed or did not finish within the idle timeout: the connection's loss,
@@ -374,6 +392,8 @@ class AmqpTransport:
         assert sock is not None
         poller = select.poll()
         poller.register(sock, select.POLLIN)
+        wake = self._wake  # closed by this thread only, as it leaves
+        poller.register(wake, select.POLLIN)
         engine = self._engine
         outbox = self._outbox
         try:
@@ -392,7 +412,10 @@ class AmqpTransport:
                 writable = outbox.pending and not outbox.writing
                 poller.modify(sock, select.POLLIN | select.POLLOUT if writable else select.POLLIN)
                 ready = poller.poll(None if wait is None else wait * 1000.0)
-                if not any(mask & ~select.POLLOUT for _, mask in ready):
+                if any(fd == wake for fd, _ in ready):
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(wake)
+                if not any(fd != wake and mask & ~select.POLLOUT for fd, mask in ready):
                     continue  # proton's deadline, or room to write: the top of the loop
                 try:
                     data = sock.recv(_READ_SIZE)
@@ -417,6 +440,7 @@ class AmqpTransport:
             self._dispatch()
         finally:
             self._close_socket()
+            self._close_wake()
             self._ended.set()
 
     def _dispatch(self) -> None:
