@@ -9,12 +9,19 @@ Run: .venv/bin/python benchmarks/broker.py [--messages N] [--no-rabbitmq]
    by scripts/rabbitmq.sh) on this machine. Target: the pair >= 0.5 x RabbitMQ.
 3. Recovery: the time to open a journal holding 100,000 persistent 1 KiB messages and rebuild
    the engine from it, as a node does when it takes over. Target: under 2 seconds.
+4. A garbage flood (--flood-connections, 1,000): that many connections to the live's STOMP
+   and AMQP ports each trickle garbage (a few bytes every 100 ms; a connection the broker
+   closes is opened again) while a well-behaved client runs workload 1 on the pair. Target:
+   under the flood >= 0.5 x without it. --only-flood runs this one alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -119,6 +126,85 @@ def recovery_seconds(count: int) -> float:
         return elapsed
 
 
+class GarbageFlood:
+    """``count`` connections trickling garbage at the live until stopped; reopens the ones
+    the broker closes. Half go to STOMP (a CONNECT line, then header junk, then random
+    bytes), half to AMQP (a protocol header, then random bytes)."""
+
+    def __init__(self, stomp_port: int, amqp_port: int, count: int) -> None:
+        self.ports = [stomp_port if i % 2 == 0 else amqp_port for i in range(count)]
+        self.stop = threading.Event()
+        self.reopened = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, i: int) -> tuple[socket.socket, bytes]:
+        sock = socket.create_connection(("127.0.0.1", self.ports[i]), timeout=5)
+        sock.setblocking(False)
+        prefix = b"CONNECT\nlogin:" if self.ports[i] == self.ports[0] else b"AMQP\x03\x01\x00\x00"
+        return sock, prefix + os.urandom(4096)
+
+    @staticmethod
+    def _trickle(sock: socket.socket, rest: bytes) -> tuple[socket.socket, bytes] | None:
+        """Send the next few bytes; None once the broker has closed the connection."""
+        sock.send(rest[:4])
+        with contextlib.suppress(BlockingIOError):
+            if sock.recv(65536) == b"":
+                return None
+        return sock, rest[4:] or os.urandom(4096)
+
+    def _run(self) -> None:
+        conns: list[tuple[socket.socket, bytes] | None] = []
+        for i in range(len(self.ports)):
+            try:
+                conns.append(self._open(i))
+            except OSError:
+                conns.append(None)
+        while not self.stop.wait(0.1):
+            for i, entry in enumerate(conns):
+                trickled = None
+                if entry is not None:
+                    try:
+                        trickled = self._trickle(*entry)
+                    except OSError:
+                        trickled = None
+                    if trickled is None:
+                        entry[0].close()
+                if trickled is None:
+                    self.reopened += 1
+                    try:
+                        trickled = self._open(i)
+                    except OSError:
+                        trickled = None
+                conns[i] = trickled
+        for entry in conns:
+            if entry is not None:
+                entry[0].close()
+
+    def __enter__(self) -> GarbageFlood:
+        self.thread.start()
+        time.sleep(2.0)  # all connected and trickling before the measurement
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def flood_rates(messages: int, window: int, connections: int) -> tuple[float, float, int]:
+    """Workload 1 on the pair without, then under, a garbage flood; and the reopen count."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        BrokerPair(Path(tmp) / "pair", log_level="WARNING") as pair,
+    ):
+        pair.wait_synchronized(30)
+        live = pair.live
+        calm = stomp_rate(live.stomp_port, "admin", "admin", messages, window)
+        with GarbageFlood(live.stomp_port, live.amqp_port, connections) as flood:
+            flooded = stomp_rate(live.stomp_port, "admin", "admin", messages, window)
+        assert pair.live is live, "the live lost its role under the flood"
+    return calm, flooded, flood.reopened
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=20_000)
@@ -126,7 +212,24 @@ def main() -> None:
     parser.add_argument("--recovery-messages", type=int, default=100_000)
     parser.add_argument("--no-rabbitmq", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--flood-connections", type=int, default=1000)
+    parser.add_argument("--only-flood", action="store_true")
     args = parser.parse_args()
+
+    calm, flooded, reopened = flood_rates(args.messages, args.window, args.flood_connections)
+    flood_figures = {
+        "calm_msgs_per_s": calm,
+        "flooded_msgs_per_s": flooded,
+        "flooded_vs_calm": flooded / calm,
+        "flood_connections": args.flood_connections,
+        "flood_reopened": reopened,
+    }
+    if args.only_flood:
+        if args.json:
+            print(json.dumps(flood_figures, indent=2))
+            return
+        print_flood(flood_figures, args)
+        return
 
     replicated, live_only = pair_rates(args.messages, args.window)
     figures: dict[str, float | bool | None] = {
@@ -140,6 +243,7 @@ def main() -> None:
         figures["pair_vs_rabbitmq"] = replicated / rabbit
     recovery = recovery_seconds(args.recovery_messages)
     figures["recovery_seconds"] = recovery
+    figures.update(flood_figures)
     if args.json:
         print(json.dumps(figures, indent=2))
         return
@@ -154,6 +258,17 @@ def main() -> None:
         print(f"  RabbitMQ          {rabbit:10,.0f} msg/s")
         print(f"  pair / RabbitMQ = {replicated / rabbit:.2f}  (target >= 0.5)")
     print(f"recovery of {args.recovery_messages:,} messages: {recovery:.2f} s  (target < 2 s)")
+    print_flood(flood_figures, args)
+
+
+def print_flood(figures: dict[str, float], args: argparse.Namespace) -> None:
+    print(
+        f"under a garbage flood of {args.flood_connections} slow connections "
+        f"({figures['flood_reopened']:.0f} reopened after the broker closed them)"
+    )
+    print(f"  calm              {figures['calm_msgs_per_s']:10,.0f} msg/s")
+    print(f"  flooded           {figures['flooded_msgs_per_s']:10,.0f} msg/s")
+    print(f"  flooded / calm = {figures['flooded_vs_calm']:.2f}  (target >= 0.5)")
 
 
 if __name__ == "__main__":
