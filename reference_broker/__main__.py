@@ -52,7 +52,14 @@ def _pair_up(argv: list[str]) -> int:
     parser.add_argument(
         "--tls-client-auth", action="store_true", help="with --tls: clients must show a certificate"
     )
+    for limit in ("--max-message-size", "--max-connections", "--max-connections-per-user"):
+        parser.add_argument(limit, type=int, help="passed to both nodes (docs/broker.md)")
     args = parser.parse_args(argv)
+    node_options = [
+        f"--{name.replace('_', '-')}={value}"
+        for name in ("max_message_size", "max_connections", "max_connections_per_user")
+        if (value := getattr(args, name)) is not None
+    ]
     if args.tls_client_auth and not args.tls:
         parser.error("--tls-client-auth needs --tls")
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="hafailover-pair-"))
@@ -82,6 +89,7 @@ def _pair_up(argv: list[str]) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
         tls=tls,
         tls_client_auth=args.tls_client_auth,
+        node_options=node_options,
     ) as pair:
         # The URLs carry no credentials: printed output ends up in terminals, logs and tickets.
         credentials = f"{quote(args.user, safe='')}:{quote(password, safe='')}@"
