@@ -13,6 +13,10 @@ Run: .venv/bin/python benchmarks/broker.py [--messages N] [--no-rabbitmq]
    and AMQP ports each trickle garbage (a few bytes every 100 ms; a connection the broker
    closes is opened again) while a well-behaved client runs workload 1 on the pair. Target:
    under the flood >= 0.5 x without it. --only-flood runs this one alone.
+5. A consumer that never acknowledges (--never-ack N, 1,000,000; --only-never-ack runs it
+   alone): a client-acknowledge STOMP subscriber takes its prefetch and acknowledges nothing
+   while N non-persistent 100-byte messages are sent; the live's RSS growth, in all and per
+   message. There is no paging: waiting messages stay in memory, so the bound is per message.
 """
 
 from __future__ import annotations
@@ -205,6 +209,48 @@ def flood_rates(messages: int, window: int, connections: int) -> tuple[float, fl
     return calm, flooded, flood.reopened
 
 
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def never_ack_growth(count: int) -> tuple[int, int, float]:
+    """(RSS before, RSS peak, seconds) of a live while ``count`` messages reach a consumer
+    that never acknowledges."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        BrokerPair(Path(tmp) / "pair", log_level="WARNING", start_backup=False) as pair,
+    ):
+        live = pair.live
+        destination = f"/queue/never-ack-{time.monotonic_ns()}"
+        consumer = stomp.Connection12([("127.0.0.1", live.stomp_port)], heartbeats=(0, 0))
+        consumer.connect("admin", "admin", wait=True)
+        consumer.subscribe(destination, id="s", ack="client-individual")
+        before = _rss(live.pid)
+        peak = before
+        producer = stomp.Connection12([("127.0.0.1", live.stomp_port)], heartbeats=(0, 0))
+        listener = Receipts()
+        producer.set_listener("p", listener)
+        producer.connect("admin", "admin", wait=True)
+        body = b"m" * 100
+        start = time.perf_counter()
+        for i in range(count):
+            producer.send(destination, body)
+            if i % 10_000 == 9_999:
+                producer.send(destination, body, headers={"receipt": str(i)})
+                with listener.condition:  # keep the producer within a batch of the broker
+                    while listener.count < (i + 1) // 10_000:
+                        listener.condition.wait(30)
+                peak = max(peak, _rss(live.pid))
+        elapsed = time.perf_counter() - start
+        peak = max(peak, _rss(live.pid))
+        producer.disconnect()
+        consumer.disconnect()
+    return before, peak, elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=20_000)
@@ -214,7 +260,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--flood-connections", type=int, default=1000)
     parser.add_argument("--only-flood", action="store_true")
+    parser.add_argument("--never-ack", type=int, default=1_000_000)
+    parser.add_argument("--only-never-ack", action="store_true")
     args = parser.parse_args()
+
+    if args.only_never_ack:
+        before, peak, seconds = never_ack_growth(args.never_ack)
+        print(
+            f"never-acknowledging consumer, {args.never_ack:,} messages of 100 B"
+            f" in {seconds:.0f} s: live RSS {before / 2**20:.0f} -> {peak / 2**20:.0f} MiB,"
+            f" {(peak - before) / args.never_ack:.0f} bytes per waiting message"
+        )
+        return
 
     calm, flooded, reopened = flood_rates(args.messages, args.window, args.flood_connections)
     flood_figures = {
