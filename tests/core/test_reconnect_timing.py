@@ -102,7 +102,7 @@ def test_the_wait_grows_to_max_retry_interval_and_stays() -> None:
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        # make demo's URL (jitter off): its 100 ms, grown by the default multiplier.
+        # A URL that sets 100 ms (jitter off), grown by the default multiplier.
         (
             "?retry_interval=100ms&max_retry_interval=1s&retry_jitter=0",
             [0.1, 0.12, 0.144, 0.1728, 0.20736, 0.248832, 0.2985984],
