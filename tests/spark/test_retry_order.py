@@ -126,9 +126,10 @@ def rerun_after_later_messages(spark: Any, pair: BrokerPair, destination: str, l
 def test_a_retry_after_many_later_messages_within_the_bound_doubles_nothing(
     spark: Any, pair: BrokerPair
 ) -> None:
-    """The bundled broker remembers the last duplicate_cache_size ids per address (20,000,
-    and no option of the pair changes it): a retry after 18,000 later messages to the same
-    address is still dropped. Past the bound it is not (docs/spark.md has the figure)."""
+    """The bundled broker remembers at least the last duplicate_cache_size ids per address
+    (20,000 by default; older ones too while they are within the retention by time): a
+    retry after 18,000 later messages to the same address is still dropped, whatever the
+    retention (docs/spark.md has the figures)."""
     bound = EngineConfig().duplicate_cache_size
     assert bound == 20_000, "the bound changed: update this test and docs/spark.md"
     assert rerun_after_later_messages(spark, pair, "queue://late-retry", 18_000) == 0
