@@ -8,13 +8,23 @@ import socket
 import struct
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 
 import hafailover
-from hafailover import AckMode, Message
+from hafailover import (
+    AckMode,
+    AcknowledgeFailedError,
+    Message,
+    StaleAcknowledgeError,
+    UnblockedError,
+)
 from reference_broker import BrokerPair
 
 # Fast detection and retries so that each failover takes about a second.
+# How many messages the acking consumer takes before one acknowledge.
+ACK_BATCH = 10
+
 FAST = {"heartbeat": "250ms", "retry_interval": "50ms", "max_retry_interval": "500ms"}
 
 
@@ -156,3 +166,65 @@ def delay_loss_notices(monkeypatch: object, delay: float) -> None:
             threading.Timer(delay, original, args=(self, reason)).start()  # type: ignore[arg-type]
 
         monkeypatch.setattr(events, "on_lost", late)  # type: ignore[attr-defined]
+
+
+class AckingConsumer(threading.Thread):
+    """CLIENT acknowledge every ACK_BATCH messages. A stale acknowledge (the session failed
+    over holding them) means the batch comes again, so it is not counted; an acknowledge
+    caught by a failover (F3: released with UNBLOCKED) leaves the batch in doubt: the broker
+    may or may not have taken it, so those are neither lost nor duplicates."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        super().__init__(name="acking-consumer", daemon=True)
+        self.url = url
+        self.queue = queue
+        self.stop = threading.Event()
+        self.handed: list[int] = []
+        self.acknowledged: list[int] = []
+        self.in_doubt: list[int] = []
+        self.stale = 0
+        self.longest_stall = 0.0
+        self.failovers = 0
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            with hafailover.connect(self.url) as connection:
+                session = connection.create_session(AckMode.CLIENT)
+                consumer = session.create_consumer(self.queue)
+                connection.start()
+                pending: list[int] = []
+                while not self.stop.is_set():
+                    started = time.monotonic()
+                    message = consumer.receive(0.2)
+                    # receive waits up to 0.2 s by design: only what is beyond it is a stall.
+                    self._stalled(started, 0.2)
+                    if message is not None:
+                        seq = int(str(message.properties["seq"]))
+                        self.handed.append(seq)
+                        pending.append(seq)
+                    if len(pending) >= ACK_BATCH or (message is None and pending):
+                        self._acknowledge(session, pending)
+                        pending = []
+                if pending:
+                    self._acknowledge(session, pending)
+                self.failovers = connection.statistics().failovers
+        except BaseException:  # noqa: BLE001 - reported by the test
+            self.error = traceback.format_exc()
+
+    def _acknowledge(self, session: hafailover.Session, pending: list[int]) -> None:
+        started = time.monotonic()
+        try:
+            session.acknowledge()
+        except StaleAcknowledgeError:
+            self.stale += 1
+            return
+        except (UnblockedError, AcknowledgeFailedError):
+            self.in_doubt.extend(pending)
+            return
+        finally:
+            self._stalled(started)
+        self.acknowledged.extend(pending)
+
+    def _stalled(self, started: float, expected: float = 0.0) -> None:
+        self.longest_stall = max(self.longest_stall, time.monotonic() - started - expected)

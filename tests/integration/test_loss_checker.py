@@ -27,17 +27,14 @@ import pytest
 import hafailover
 from hafailover import (
     AckMode,
-    AcknowledgeFailedError,
     Message,
-    StaleAcknowledgeError,
     TransactionOutcomeUnknownError,
     TransactionRolledBackError,
-    UnblockedError,
 )
 from reference_broker import BrokerPair
 from reference_broker.pair import NodeProcess
 
-from .support import drain, seqs, url_for, wait_until
+from .support import ACK_BATCH, AckingConsumer, drain, seqs, url_for, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +42,6 @@ QUEUE = "queue://loss-checker"
 CYCLES = 10
 STOP_CYCLES = 5
 TX_BATCH = 20
-ACK_BATCH = 10
 # Traffic between a restart (or the start) and the next kill.
 TRAFFIC_TIME = 1.0
 
@@ -93,58 +89,6 @@ class Producer(threading.Thread):
             self.error = traceback.format_exc()
 
 
-class Consumer(threading.Thread):
-    """CLIENT acknowledge every ACK_BATCH messages; a stale acknowledge (the session failed
-    over holding them) means the batch comes again, so it is not counted; an acknowledge
-    caught by a failover (F3) leaves the batch in doubt: it may or may not come again."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(name="loss-consumer", daemon=True)
-        self.url = url
-        self.stop = threading.Event()
-        self.handed: list[int] = []
-        self.acknowledged: list[int] = []
-        # Acknowledged when the connection died (F3: released with UNBLOCKED): the broker may
-        # or may not have taken the acknowledge, so these are neither lost nor duplicates.
-        self.in_doubt: list[int] = []
-        self.stale = 0
-        self.failovers = 0
-        self.error: str | None = None
-
-    def run(self) -> None:
-        try:
-            with hafailover.connect(self.url) as connection:
-                session = connection.create_session(AckMode.CLIENT)
-                consumer = session.create_consumer(QUEUE)
-                connection.start()
-                pending: list[int] = []
-                while not self.stop.is_set():
-                    message = consumer.receive(0.2)
-                    if message is not None:
-                        seq = int(str(message.properties["seq"]))
-                        self.handed.append(seq)
-                        pending.append(seq)
-                    if len(pending) >= ACK_BATCH or (message is None and pending):
-                        self._acknowledge(session, pending)
-                        pending = []
-                if pending:
-                    self._acknowledge(session, pending)
-                self.failovers = connection.statistics().failovers
-        except BaseException:  # noqa: BLE001 - reported by the test
-            self.error = traceback.format_exc()
-
-    def _acknowledge(self, session: hafailover.Session, pending: list[int]) -> None:
-        try:
-            session.acknowledge()
-        except StaleAcknowledgeError:
-            self.stale += 1
-            return
-        except (UnblockedError, AcknowledgeFailedError):
-            self.in_doubt.extend(pending)
-            return
-        self.acknowledged.extend(pending)
-
-
 def _wait_other_active(pair: BrokerPair, victim: NodeProcess, timeout: float) -> NodeProcess:
     """The node other than ``victim`` once it serves (a paused victim still says "live")."""
     other = pair.nodes[1] if victim is pair.nodes[0] else pair.nodes[0]
@@ -173,7 +117,7 @@ def test_nothing_lost_or_duplicated_under_repeated_sigstop(pair: BrokerPair, pro
 def _check_under(pair: BrokerPair, protocol: str, fault: str, cycles: int) -> None:
     url = url_for(pair, protocol)
     producer = Producer(url)
-    consumer = Consumer(url)
+    consumer = AckingConsumer(url, QUEUE)
     started = time.monotonic()
     producer.start()
     consumer.start()
