@@ -131,16 +131,6 @@ class _Option:
     accepted: tuple[str, ...]
 
 
-def _parse_int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text.strip())
-        if value < minimum:
-            raise ValueError(f"{value} is below {minimum}")
-        return value
-
-    return parse
-
-
 def _parse_attempts(text: str) -> int:
     value = int(text.strip())
     if value < -1:
@@ -507,6 +497,13 @@ def _split_host_port(text: str, scheme: str, url: str) -> tuple[str, int]:
         port_text = rest[1:] if rest else ""
     elif ":" in text:
         host, port_text = text.rsplit(":", 1)
+        if ":" in host:
+            # "fe80::1" would read as host "fe80:" and port 1: an IPv6 host needs brackets.
+            raise InvalidURLError(
+                f"{url!r}: an IPv6 host must be in brackets",
+                option="host",
+                accepted=["[::1]:61613"],
+            )
     else:
         host, port_text = text, ""
     if not host:
