@@ -43,8 +43,7 @@ from reference_broker.pair import BrokerPair
 __all__ = ["main"]
 
 CLIENT_OPTIONS = (
-    "heartbeat=250ms&max_retry_interval=500ms"
-    "&initial_connect_attempts=5&call_failover_timeout=30s"
+    "heartbeat=250ms&max_retry_interval=500ms&initial_connect_attempts=5&call_failover_timeout=30s"
 )
 
 
