@@ -613,11 +613,14 @@ class Channel(base.StdChannel):
             )
 
     def _acknowledge(self, message: hafailover.Message, *, stale_ok: bool) -> bool:
-        """True when acknowledged; False when a failover made it stale (only with
-        ``stale_ok``, else that raises: kombu's callers log it as "could not ack")."""
+        """True when acknowledged; False when a failover made it stale or left its outcome
+        unknown (only with ``stale_ok``, else that raises: kombu's callers log it as
+        "could not ack")."""
         try:
             message.acknowledge()
-        except (StaleAcknowledgeError, AcknowledgeFailedError):
+        except (StaleAcknowledgeError, AcknowledgeFailedError, UnblockedError):
+            # Stale, or caught by the failover with its outcome unknown: either way the
+            # broker may deliver the message again.
             if not stale_ok:
                 raise
             return False
