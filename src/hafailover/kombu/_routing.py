@@ -3,15 +3,19 @@
 Neither protocol has exchanges and bindings the way kombu means them, so the transport keeps
 them in the process (``Routes``) and turns each publish into destinations hafailover knows:
 
-- the default exchange (``""``) and a durable ``direct`` exchange send to queues: the queues
-  bound here under that routing key, else the queue named as the routing key (Celery's
-  layout: queue ``celery`` bound to exchange ``celery`` under key ``celery``), so a producer
-  that never declared the binding still reaches the worker's queue;
-- ``fanout``, ``topic`` and a transient (non-durable) ``direct`` exchange broadcast: the
-  message goes to the topic named as the exchange, carrying its routing key, and each queue
-  bound to the exchange subscribes to that topic and keeps what its binding key matches.
-  This is how Celery's remote control (``celery.pidbox``, fanout), its replies
-  (``reply.celery.pidbox``, transient direct) and events (``celeryev``, topic) travel.
+- the default exchange (``""``) and ``direct`` exchanges send to queues: the queues bound
+  here under that routing key (none: the message is dropped, as AMQP drops it), or, when
+  this process knows no binding of the exchange at all, the queue named as the routing key.
+  A consumer of a queue bound to a direct exchange under another key than its own name
+  reads that key's queue as well, so a producer that never declared the binding reaches
+  it: Celery's task queue (queue ``celery``, exchange ``celery``, key ``celery``) and its
+  remote-control replies (queue ``<id>.reply.celery.pidbox``, key ``<id>``, sent by a worker
+  that knows only the exchange) both arrive;
+- ``fanout`` and ``topic`` exchanges broadcast: the message goes to the topic named as the
+  exchange, carrying its routing key, and each queue bound to the exchange subscribes to
+  that topic and keeps what its binding key matches. A broadcast queue therefore holds only
+  what is published while it is consumed. Celery's remote control (``celery.pidbox``,
+  fanout) and events (``celeryev``, topic) travel this way.
 
 Pure: no I/O, no hafailover connection; the channel asks, this module answers.
 """
@@ -91,32 +95,42 @@ class Routes:
 
     def broadcasts(self, exchange: str) -> bool:
         """Whether a publish to ``exchange`` goes to its topic rather than to queues. An
-        exchange this process never saw declared is taken as a durable direct one."""
+        exchange this process never saw declared is taken as a direct one."""
         if not exchange:
             return False
         with self._lock:
-            kind, durable = self._exchanges.get(exchange, ("direct", True))
-        return kind != "direct" or not durable
+            kind = self._exchanges.get(exchange, ("direct", True))[0]
+        return kind != "direct"
 
     def queues_for(self, exchange: str, key: str) -> list[str]:
         """The queues a publish to a queue-routed exchange reaches."""
         if not exchange:
             return [key]
         with self._lock:
-            bound = sorted(
-                queue
-                for queue, bindings in self._bindings.items()
-                if Binding(exchange, key) in bindings
-            )
-        return bound or [key]
+            known = False
+            bound = []
+            for queue, bindings in sorted(self._bindings.items()):
+                for binding in bindings:
+                    if binding.exchange == exchange:
+                        known = True
+                        if binding.key == key:
+                            bound.append(queue)
+        # No binding of the exchange known here (a producer that never declared the
+        # worker's queue): the queue named as the key, Celery's layout. Else, as AMQP
+        # does, a key bound to no queue drops the message.
+        return bound if known else [key]
 
-    def subscriptions(self, queue: str) -> tuple[bool, list[Binding]]:
-        """What consuming ``queue`` subscribes to: whether the queue itself, and the
-        broadcast bindings whose exchange topics it follows."""
+    def subscriptions(self, queue: str) -> tuple[list[str], list[Binding]]:
+        """What consuming ``queue`` subscribes to: the queues it reads (its own, and the
+        keys of its direct bindings), and the broadcast bindings whose exchange topics it
+        follows."""
         with self._lock:
-            bindings = list(self._bindings.get(queue, ()))
+            bindings = sorted(self._bindings.get(queue, ()), key=lambda b: (b.exchange, b.key))
         broadcast = [b for b in bindings if self.broadcasts(b.exchange)]
-        return len(broadcast) < len(bindings) or not bindings, broadcast
+        direct = [b for b in bindings if not self.broadcasts(b.exchange)]
+        queues = [queue] if direct or not bindings else []
+        queues += sorted({b.key for b in direct if b.key and b.key != queue})
+        return queues, broadcast
 
     def accepts(self, bindings: Iterable[Binding], exchange: str, key: str) -> bool:
         """Whether a broadcast copy from ``exchange`` sent with ``key`` is for a queue that

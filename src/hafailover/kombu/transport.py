@@ -74,7 +74,7 @@ DEFAULT_PREFETCH = 100
 # How long basic_get waits for a message on a queue it has not read before: the first
 # subscription needs a round trip before the broker sends anything.
 FIRST_GET_WAIT = 1.0
-LATER_GET_WAIT = 0.1
+LATER_GET_WAIT = 0.25
 # How long queue_purge waits for the next message before it calls the queue empty.
 PURGE_IDLE = 0.3
 
@@ -213,6 +213,7 @@ class Channel(base.StdChannel):
             collections.deque()
         )
         self._subscriptions: dict[str, _Subscription] = {}
+        self._cancelling: dict[str, _Subscription] = {}  # cancelled, holding deliveries
         self._delivered: dict[int, tuple[_Raw, str]] = {}
         self._delivery_tags = itertools.count(1)
         self._consumer_tags = itertools.count(1)
@@ -438,9 +439,9 @@ class Channel(base.StdChannel):
         tag = consumer_tag or f"ctag-{self.channel_id}-{next(self._consumer_tags)}"
         if tag in self._subscriptions:
             raise ConfigurationError(f"consumer tag {tag!r} is in use on this channel")
-        from_queue, broadcast = ROUTES.subscriptions(queue)
+        queues, broadcast = ROUTES.subscriptions(queue)
         subscription = _Subscription(tag, queue, no_ack, callback, broadcast)
-        destinations = [f"queue://{queue}"] if from_queue else []
+        destinations = [f"queue://{name}" for name in queues]
         destinations += sorted({f"topic://{b.exchange}" for b in broadcast})
         try:
             for destination in destinations:
@@ -462,13 +463,22 @@ class Channel(base.StdChannel):
         self.connection.arrived(self, subscription, message)
 
     def basic_cancel(self, consumer_tag: str, nowait: bool = False) -> None:
+        """Stop delivering; the subscriptions end once kombu has settled what they
+        delivered (an acknowledge after basic_cancel is valid in kombu, and a STOMP broker
+        refuses one for a subscription that is gone)."""
         subscription = self._subscriptions.pop(consumer_tag, None)
         self.no_ack_consumers.discard(consumer_tag)
         if subscription is None:
             return
         subscription.cancelled = True
         for consumer in subscription.consumers:
-            consumer.close()
+            consumer.set_message_listener(None)  # what still comes waits in its buffer
+        with self._lock:
+            holds = any(raw.consumer_tag == consumer_tag for raw, _ in self._delivered.values())
+            if holds:
+                self._cancelling[consumer_tag] = subscription
+        if not holds:
+            _close_all(subscription.consumers)
 
     def basic_get(self, queue: str = "", no_ack: bool = False, **kwargs: Any) -> _Raw | None:
         self._check_open()
@@ -536,35 +546,41 @@ class Channel(base.StdChannel):
 
     def basic_reject(self, delivery_tag: int, requeue: bool = False) -> None:
         if not requeue:
-            self._finish(delivery_tag)
+            self._finish(delivery_tag)  # discarded: settled as an acknowledge is
             return
         raw, queue_name = self._take(delivery_tag)
+        try:
+            self._requeue(raw, queue_name)
+        finally:
+            self._settled(raw)
+
+    def _requeue(self, raw: _Raw, queue_name: str) -> None:
         window = self.connection.window
         key = _key(queue_name, raw.message)
         parked = window.released(key)
-        if parked:
-            # The broker brought the message again already: that copy is the requeued one.
+        subscription = self._subscription_of(raw)
+        if parked and subscription is not None:
+            # A failover brought the message again already: that copy is the requeued one.
             self._acknowledge(raw.message, stale_ok=True)
-            first, *rest = parked
+            (channel, first), *rest = parked
             window.handed_back(key)
             for _, copy in rest:
                 _settle(copy)
-            subscription = self._subscription_of(raw)
-            if subscription is not None:
-                self.connection.inbox.put((first[0], subscription, first[1]))
+            self.connection.inbox.put((channel, subscription, first))
             return
-        subscription = self._subscription_of(raw)
-        if subscription is None or not subscription.broadcast or _from_queue(raw):
-            # Neither protocol gives one message back alone (a STOMP NACK, an AMQP
-            # "released" outcome are not in hafailover's API): the message goes back as a
-            # copy with a new id, then the delivered one is acknowledged.
-            self._requeue_copy(raw, queue_name)
-            if not self._acknowledge(raw.message, stale_ok=True):
-                # The broker takes the original back as well: drop that redelivery.
-                window.finished(key)
+        for _, copy in parked:
+            _settle(copy)
+        if subscription is not None and subscription.broadcast and not _from_queue(raw):
+            # A broadcast copy is this queue's alone: it is delivered again here.
+            self.connection.inbox.put((self, subscription, raw.message))
             return
-        # A broadcast copy is this queue's alone: deliver it again here.
-        self.connection.inbox.put((self, subscription, raw.message))
+        # Neither protocol gives one message back alone (a STOMP NACK, an AMQP "released"
+        # outcome are not in hafailover's API): the message goes back as a copy with a
+        # new id, then the delivered one is acknowledged.
+        self._requeue_copy(raw, queue_name)
+        if not self._acknowledge(raw.message, stale_ok=True):
+            # The broker takes the original back as well: the window drops that copy.
+            window.finished(key)
 
     def basic_recover(self, requeue: bool = True) -> None:
         """Every message this channel delivered and kombu has not settled goes back."""
@@ -578,6 +594,20 @@ class Channel(base.StdChannel):
             self.connection.window.released(_key(queue_name, raw.message))
         self.session.recover()
 
+    def _settled(self, raw: _Raw) -> None:
+        """After a delivery was settled: end its cancelled subscription if that held
+        nothing else, and hand over what the prefetch limit held back."""
+        tag = raw.consumer_tag
+        ended = None
+        with self._lock:
+            if tag in self._cancelling and not any(
+                held.consumer_tag == tag for held, _ in self._delivered.values()
+            ):
+                ended = self._cancelling.pop(tag)
+        if ended is not None:
+            _close_all(ended.consumers)
+        self._release_backlog()
+
     def _tags(self, delivery_tag: int, *, multiple: bool) -> list[int]:
         if not multiple:
             return [delivery_tag]
@@ -587,7 +617,6 @@ class Channel(base.StdChannel):
     def _take(self, delivery_tag: int) -> tuple[_Raw, str]:
         with self._lock:
             entry = self._delivered.pop(delivery_tag, None)
-        self._release_backlog()
         if entry is None:
             raise kombu.exceptions.ChannelError(
                 f"unknown delivery tag {delivery_tag} on channel {self.channel_id}: "
@@ -604,6 +633,7 @@ class Channel(base.StdChannel):
         finally:
             for _, copy in window.finished(_key(queue_name, raw.message)):
                 _settle(copy)
+            self._settled(raw)
         if not acknowledged:
             log.warning(
                 "acknowledge of %s on %s went stale in a failover; the window drops the "
@@ -644,7 +674,10 @@ class Channel(base.StdChannel):
         self._producer.send(copy, destination=f"queue://{queue_name}")
 
     def _subscription_of(self, raw: _Raw) -> _Subscription | None:
-        return None if raw.consumer_tag is None else self._subscriptions.get(raw.consumer_tag)
+        if raw.consumer_tag is None:
+            return None
+        tag = raw.consumer_tag
+        return self._subscriptions.get(tag) or self._cancelling.get(tag)
 
     # --- life ----------------------------------------------------------------------------
 
@@ -658,6 +691,9 @@ class Channel(base.StdChannel):
         self.is_open = False
         for tag in list(self._subscriptions):
             self.basic_cancel(tag)
+        for subscription in self._cancelling.values():
+            _close_all(subscription.consumers)
+        self._cancelling.clear()
         with contextlib.suppress(HaFailoverError):
             # Messages delivered and not settled go back to the broker with the session.
             self.session.close()
@@ -667,6 +703,12 @@ class Channel(base.StdChannel):
 
     def flow(self, active: bool) -> None:
         """Nothing to do: prefetch (credit) holds back what a consumer has not taken."""
+
+
+def _close_all(consumers: Iterable[hafailover.Consumer]) -> None:
+    for consumer in consumers:
+        with contextlib.suppress(HaFailoverError):
+            consumer.close()
 
 
 def _from_queue(raw: _Raw) -> bool:
