@@ -27,7 +27,7 @@ pytestmark = pytest.mark.broker
 
 ROOT = Path(__file__).resolve().parents[2]
 CELERY = [sys.executable, "-m", "celery", "-A", "tests.celery.celery_app"]
-TASKS = 120
+TASKS = 80
 # A new process after a failover must find the backup: the first broker of the URL may be
 # the dead one (F12).
 OPTIONS = {"consumer_dedup": 1000, "initial_connect_attempts": 4}
@@ -43,7 +43,7 @@ def runs_of(path: Path) -> collections.Counter[int]:
 def worker(env: dict[str, str], pool: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as output:
         process = subprocess.Popen(
-            [*CELERY, "worker", "-P", pool, "-c", "4", "--without-mingle", "--without-gossip"],
+            [*CELERY, "worker", "-P", pool, "-c", "2", "--without-mingle", "--without-gossip"],
             cwd=ROOT,
             env=env,
             stdout=output,
@@ -89,9 +89,11 @@ def test_every_task_runs_once_through_two_kills(
     )
     log = tmp_path / "worker.log"
     with worker(env, pool, log):
-        for started in (TASKS // 6, TASKS // 2):
-            wait_until(lambda n=started: sum(runs_of(runs).values()) >= n, 30, f"{started} runs")
-            assert sum(runs_of(runs).values()) < TASKS, "the worker finished before the kill"
+        wait_until(lambda: sum(runs_of(runs).values()) >= TASKS // 10, 30, "the first runs")
+        # Two kills in a row: the second as soon as the pair is whole again.
+        for _ in range(2):
+            started = sum(runs_of(runs).values())
+            assert started < TASKS, "the worker finished before the kill"
             began = time.monotonic()
             kill_live(pair)
             print(
