@@ -3,6 +3,7 @@ contract asks (publish, consume, ack, reject, requeue, qos, declarations, broadc
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from typing import Any
@@ -11,7 +12,7 @@ import kombu
 import pytest
 
 import hafailover.kombu  # noqa: F401 - registers the "hafailover" alias
-from hafailover import ConfigurationError, InvalidURLError
+from hafailover import ConfigurationError, DisconnectedError, InvalidURLError
 from reference_broker import BrokerPair
 
 from .conftest import kombu_url
@@ -30,6 +31,13 @@ def drain(
             connection.drain_events(timeout=left)
         except TimeoutError:
             continue
+
+
+def drain_until_it_raises(connection: kombu.Connection, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            connection.drain_events(timeout=1)
 
 
 def quiet(connection: kombu.Connection, seconds: float) -> None:
@@ -279,3 +287,21 @@ def test_headers_exchange_is_refused_by_name(
 def test_a_url_that_is_not_hafailover_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="hafailover URL"):
         kombu.Connection("localhost", transport="hafailover.kombu:Transport").connect()
+
+
+def test_a_connection_hafailover_gave_up_on_reaches_drain_events(
+    pair: BrokerPair, protocol: str, name: str
+) -> None:
+    """Celery restarts its consumer on a connection error from drain_events: that is where
+    hafailover's DISCONNECT must arrive, and only there (a failover never does)."""
+    url = kombu_url(pair, protocol, reconnect_attempts=3)
+    with (
+        kombu.Connection(url) as connection,
+        connection.Consumer(kombu.Queue(name), callbacks=[lambda b, m: None]),
+    ):
+        for node in (pair.live, pair.backup):
+            pair.kill(node)
+        with pytest.raises(DisconnectedError) as caught:
+            drain_until_it_raises(connection, limit=20.0)
+        assert isinstance(caught.value, connection.connection_errors)
+        assert not connection.connected

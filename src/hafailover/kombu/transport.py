@@ -53,7 +53,6 @@ from hafailover import (
     ConfigurationError,
     ConnectionClosedError,
     DisconnectedError,
-    FailoverNotice,
     HaFailoverError,
     NotConnectedError,
     ProtocolError,
@@ -751,9 +750,11 @@ class Connection:
         self.closed = False
 
     def _on_failure(self, error: HaFailoverError) -> None:
-        if isinstance(error, FailoverNotice):
-            log.info("hafailover connection failed over: %s", error)
+        if not isinstance(error, DisconnectedError):
+            # A failover notice (F10), or a failure a call reports to its caller as well.
+            log.info("hafailover connection: %s", error)
             return
+        # hafailover gave up: drain_events raises it, and Celery restarts its consumer.
         self._failed = error
         self.inbox.put(error)
 
