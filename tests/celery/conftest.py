@@ -1,4 +1,7 @@
-"""Fixtures of the Celery and kombu tests: the bundled pair, both protocols, kombu URLs."""
+"""Fixtures of the Celery and kombu tests: the bundled pair, both protocols, kombu URLs.
+
+kombu and celery come with the dev install (the celery extra): a missing one fails these
+tests at import, never skips them."""
 
 from __future__ import annotations
 
@@ -10,8 +13,6 @@ import pytest
 
 from reference_broker import BrokerPair
 from tests.integration.support import url_for
-
-pytest.importorskip("kombu", reason="the celery extra (kombu, celery) is not installed")
 
 
 @pytest.fixture(params=["stomp", "amqp"])
