@@ -125,12 +125,19 @@ def _keeps_together(path: str) -> bool:
     return any(f.is_file() and _SHARED_SCOPE.search(f.read_text()) for f in files)
 
 
-def _work_unit(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
+@functools.cache
+def _work_unit_of_module(path: str) -> str | None:
     for prefix, group in _SHARED_GROUPS.items():
         if path.startswith(prefix):
             return group
-    return path if _keeps_together(path) else nodeid
+    text = (Path(__file__).resolve().parent.parent / path).read_text()
+    if "tests.interop.conftest import" in text or "tests.cluster.conftest import" in text:
+        return "rabbitmq"  # a test elsewhere that borrows the RabbitMQ fixtures
+    return path if _keeps_together(path) else None
+
+
+def _work_unit(nodeid: str) -> str:
+    return _work_unit_of_module(nodeid.split("::", 1)[0]) or nodeid
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
