@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from hafailover.core.subscriptions import NamedSubscription
 from hafailover.core.window import ConfirmationWindow, command_flags
 from hafailover.destination import Destination
 from hafailover.errors import IllegalStateError, NotConnectedError
@@ -363,9 +364,13 @@ class FakeLink:
         prefetch: int,
         selector: str | None = None,
         token: int | None = None,
+        named: NamedSubscription | None = None,
     ) -> None:
         frame = Frame("SUBSCRIBE", token, destination=destination.name, subscription=subscription)
         self._write(frame)
+
+    def remove_subscription(self, name: str, *, token: int) -> None:
+        self._write(Frame("UNSUBSCRIBE", token, subscription=name))
 
     def unsubscribe(self, subscription: str) -> None:
         self._write(Frame("UNSUBSCRIBE", subscription=subscription))
@@ -378,6 +383,9 @@ class FakeLink:
         self._write(Frame("ACK", token, tx=tx, tag=tag), replayable=replayable)
 
     def redeliver(self, subscription: str, tag: str) -> None:
+        self._write(Frame("NACK", tag=tag))
+
+    def reject(self, subscription: str, tag: str) -> None:
         self._write(Frame("NACK", tag=tag))
 
     def begin(self) -> object:
