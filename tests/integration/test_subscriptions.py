@@ -208,3 +208,46 @@ def test_unsubscribe_deletes_a_durable_subscription_and_what_it_holds(
         session.create_producer(topic).send(Message(body="nobody listens"))
         again = create(topic, "daily")
         assert again.receive(0.5) is None
+
+
+def test_the_jms_rules_of_named_subscriptions_are_clear_errors(
+    pair: BrokerPair, protocol: str
+) -> None:
+    topic = f"topic://rules-{uuid.uuid4().hex[:8]}"
+    with hafailover.connect(url_for(pair, protocol)) as connection:
+        session = connection.create_session(AckMode.AUTO)
+        with pytest.raises(hafailover.ConfigurationError, match="client_id"):
+            session.create_durable_consumer(topic, "ticks")
+    with hafailover.connect(url_for(pair, protocol, client_id="app")) as connection:
+        session = connection.create_session(AckMode.AUTO)
+        first = session.create_durable_consumer(topic, "ticks")
+        other = connection.create_session(AckMode.AUTO)
+        with pytest.raises(hafailover.IllegalStateError, match="only one"):
+            other.create_durable_consumer(topic, "ticks")
+        with pytest.raises(hafailover.IllegalStateError, match="only one"):
+            other.create_shared_durable_consumer(topic, "ticks")
+        first.close()
+        other.create_durable_consumer(topic, "ticks")  # free again
+        shared = session.create_shared_consumer(topic, "pool")
+        with pytest.raises(hafailover.IllegalStateError, match="open as shared"):
+            other.create_shared_durable_consumer(topic, "pool")
+        other.create_shared_consumer(topic, "pool")
+        shared.close()
+
+
+def test_another_connection_is_refused_a_durable_subscription_in_use(
+    pair: BrokerPair, protocol: str
+) -> None:
+    """The broker keeps the rule across connections: the second subscriber's creation
+    fails with the broker's reason, and the first keeps its subscription."""
+    topic = f"topic://owned-{uuid.uuid4().hex[:8]}"
+    url = url_for(pair, protocol, client_id="app")
+    with hafailover.connect(url) as owner, hafailover.connect(url) as intruder:
+        consumer = owner.create_session(AckMode.AUTO).create_durable_consumer(topic, "ticks")
+        owner.start()
+        with pytest.raises(HaFailoverError, match="already has an active consumer"):
+            intruder.create_session(AckMode.AUTO).create_durable_consumer(topic, "ticks")
+        intruder.create_session().create_producer(topic).send(Message(body="still mine"))
+        got = consumer.receive(10)
+        assert got is not None
+        assert got.body_bytes == b"still mine"

@@ -180,7 +180,7 @@ class Consumer:
                 self._drop_duplicate(tag)
                 continue
             if self._acknowledged and self._redelivery.exceeded(
-                message.message_id, message.delivery_count
+                _stable_id(message), message.delivery_count
             ):
                 self._reject_poison(tag, message)
                 continue
@@ -209,15 +209,16 @@ class Consumer:
         not retried: the delivery comes again and is rejected again."""
         connection = self.session.connection
         self.rejected += 1
-        self._redelivery.forget(message.message_id)
+        limit = self._redelivery
         log.warning(
             "consumer of %s rejected message %s to the dead-letter address after %d "
             "failed deliveries (max_redeliveries=%d)",
             self.destination,
             message.message_id,
-            message.delivery_count,
-            self._redelivery.max_redeliveries,
+            limit.failures(_stable_id(message), message.delivery_count),
+            limit.max_redeliveries,
         )
+        limit.forget(_stable_id(message))
         link = connection._admitted_link()
         if link is None:
             return
@@ -285,7 +286,7 @@ class Consumer:
         decision = session.rules.listener_failed(delivery)
         if decision.action is not AckAction.REDELIVER:
             return
-        self._redelivery.failed(message.message_id, message.delivery_count)
+        self._redelivery.failed(_stable_id(message), message.delivery_count)
         if self._dedup is not None and self._remembered_at is Remembered.AT_DELIVERY:
             self._dedup.forget(message.message_id)  # its redelivery is no duplicate
         session._forget_seen(decision.tags)
@@ -466,3 +467,11 @@ class Consumer:
             message = self.receive()
             if message is not None:
                 yield message
+
+
+def _stable_id(message: Message) -> str | None:
+    """The id by which a consumer counts a message's failures itself: its sender's id,
+    the same on every delivery by every broker. A broker's own message id may change from
+    one delivery to the next (RabbitMQ's STOMP ids do): then only the broker's count
+    counts."""
+    return message.message_id if message._sender_id else None

@@ -701,6 +701,11 @@ class AmqpEngine:
                 self._emit(self.events.on_settled, token, None)  # settled already
             return
         delivery, _ = entry
+        if outcome is Outcome.MODIFIED and self._dialect is _Dialect.RABBITMQ:
+            # RabbitMQ 3.10 ends the session on a modified outcome ("Unrecognised state"):
+            # released gives the message back there too (uncounted: the consumer counts
+            # its failures itself for max_redeliveries).
+            outcome = Outcome.RELEASED
         with map_errors(self._broker_text()):
             self._set_outcome(delivery, outcome, tx)
         if token is not None and self._dialect is not _Dialect.RABBITMQ:

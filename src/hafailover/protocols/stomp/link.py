@@ -74,6 +74,7 @@ class StompLink:
             reattach=resume,
             window=window if window > 0 else -1,
             connection_ttl=policy.connection_ttl,
+            client_id=policy.client_id,
         )
         self.windowed = opened.session_id is not None and window > 0
         return opened
