@@ -716,6 +716,11 @@ class AsyncConsumer:
     def duplicates_dropped(self) -> int:
         return self.sync.duplicates_dropped
 
+    @property
+    def rejected(self) -> int:
+        """Poison messages this consumer rejected to the dead-letter address."""
+        return self.sync.rejected
+
     def _take(self) -> Message:
         message = self.sync._receive_now()
         if message is None:

@@ -98,8 +98,6 @@ def test_the_limit_counts_the_brokers_count_or_its_own_whichever_is_more() -> No
     assert not limit.exceeded("m", 0)
     limit.failed("m", 1)
     assert limit.exceeded("m", 0)  # three failures: rejected on the next delivery
-    limit.forget("m")
-    assert not limit.exceeded("m", 0)
     assert not limit.exceeded(None, 2)
 
 

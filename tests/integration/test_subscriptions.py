@@ -6,6 +6,7 @@ to the dead-letter queue after exactly max_redeliveries + 1 deliveries."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
@@ -15,7 +16,7 @@ import uuid
 import pytest
 
 import hafailover
-from hafailover import AckMode, HaFailoverError, Message
+from hafailover import AckMode, HaFailoverError, Message, aio
 from reference_broker import BrokerPair
 
 from .support import drain, url_for, wait_until
@@ -251,3 +252,33 @@ def test_another_connection_is_refused_a_durable_subscription_in_use(
         got = consumer.receive(10)
         assert got is not None
         assert got.body_bytes == b"still mine"
+
+
+def test_the_asyncio_api_has_the_same_subscriptions(pair: BrokerPair, protocol: str) -> None:
+    topic = f"topic://aio-{uuid.uuid4().hex[:8]}"
+
+    async def test() -> tuple[bytes | None, bytes | None, int]:
+        connection = await aio.connect(url_for(pair, protocol, client_id="aio-app"))
+        try:
+            session = await connection.create_session(AckMode.AUTO)
+            await (await session.create_durable_consumer(topic, "ticks")).close()
+            shared = await session.create_shared_consumer(topic, "pool", max_redeliveries=0)
+            await session.create_producer(topic).send(Message(body="kept"))
+            connection.start()
+            from_shared = await shared.receive(5)
+            durable = await session.create_shared_durable_consumer(topic, "other")
+            await durable.close()
+            resumed = await session.create_durable_consumer(topic, "ticks")
+            kept = await resumed.receive(5)
+            await resumed.close()
+            await session.unsubscribe("ticks")
+            await session.unsubscribe("other")
+            return (
+                None if from_shared is None else from_shared.body_bytes,
+                None if kept is None else kept.body_bytes,
+                shared.rejected,
+            )
+        finally:
+            await connection.close()
+
+    assert asyncio.run(test()) == (b"kept", b"kept", 0)

@@ -183,8 +183,3 @@ class RedeliveryLimit:
         self._failed.move_to_end(message_id)
         if len(self._failed) > self._remember:
             self._failed.popitem(last=False)
-
-    def forget(self, message_id: str | None) -> None:
-        """The message is settled (acknowledged or rejected): no count to keep."""
-        if message_id is not None:
-            self._failed.pop(message_id, None)

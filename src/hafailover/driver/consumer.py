@@ -206,7 +206,8 @@ class Consumer:
         """Under the lock: ``message`` failed more often than ``max_redeliveries`` allows;
         it goes to the broker's dead-letter address (NACK without requeue on STOMP, the
         rejected outcome on AMQP) and is reported. A reject that cannot be written now is
-        not retried: the delivery comes again and is rejected again."""
+        not retried: the delivery comes again and is rejected again (its count is kept for
+        that)."""
         connection = self.session.connection
         self.rejected += 1
         limit = self._redelivery
@@ -218,7 +219,6 @@ class Consumer:
             limit.failures(_stable_id(message), message.delivery_count),
             limit.max_redeliveries,
         )
-        limit.forget(_stable_id(message))
         link = connection._admitted_link()
         if link is None:
             return
