@@ -91,6 +91,7 @@ class FakeBroker:
         self.refuse_until = 0.0
         self.refused = 0  # attempts refused so far
         self.violations: list[str] = []
+        self.dead_letters: list[Message] = []  # what consumers rejected (poison messages)
         self._session_ids = itertools.count(1)
         self._tags = itertools.count(1)
         self.opened = threading.Condition(self.lock)
@@ -222,6 +223,10 @@ class FakeBroker:
                 entry = session.unacked.pop(frame.tag, None)
                 if entry is not None:
                     self.queues[entry[0]].appendleft(entry[1])
+            elif command == "REJECT":
+                entry = session.unacked.pop(frame.tag, None)
+                if entry is not None:
+                    self.dead_letters.append(entry[1])
             elif command == "SUBSCRIBE":
                 session.subscriptions[frame.subscription] = frame.destination
             elif command == "UNSUBSCRIBE":
@@ -386,7 +391,7 @@ class FakeLink:
         self._write(Frame("NACK", tag=tag))
 
     def reject(self, subscription: str, tag: str) -> None:
-        self._write(Frame("NACK", tag=tag))
+        self._write(Frame("REJECT", tag=tag))
 
     def begin(self) -> object:
         name = f"tx-{self.serial}-{next(self._tx_names)}"
