@@ -176,6 +176,10 @@ class NodeConfig:
     duplicate_id_cache_size: int = 20_000
     duplicate_id_retention: float = DEFAULT_DUPLICATE_ID_RETENTION
     duplicate_id_max_bytes: int = DEFAULT_DUPLICATE_ID_MAX_BYTES
+    # Poison messages (docs/client.md): a message whose delivery failed this many times goes
+    # to the dead-letter queue (0: never); both nodes must agree, as the pair's options do.
+    max_delivery_attempts: int = 10
+    dead_letter_queue: str = "queue://DLQ"
 
     @property
     def timing(self) -> Timing:
@@ -832,6 +836,8 @@ class Node:
                     duplicate_cache_size=config.duplicate_id_cache_size,
                     duplicate_id_retention=config.duplicate_id_retention,
                     duplicate_id_max_bytes=config.duplicate_id_max_bytes,
+                    max_delivery_attempts=config.max_delivery_attempts or None,
+                    dead_letter_queue=config.dead_letter_queue,
                 ),
             )
         )
@@ -1249,6 +1255,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 64 MiB); reaching it is logged once per address",
     )
     p.add_argument(
+        "--max-delivery-attempts",
+        type=_count,
+        default=10,
+        help="failed deliveries after which a message goes to the dead-letter queue "
+        "(default: 10; 0: never)",
+    )
+    p.add_argument(
+        "--dead-letter-queue",
+        type=_dead_letter_queue,
+        default="queue://DLQ",
+        help="where messages go after their last failed delivery or when a client rejects "
+        "them (default: queue://DLQ)",
+    )
+    p.add_argument(
         "--max-connections",
         type=_cap,
         default=DEFAULT_MAX_CONNECTIONS,
@@ -1273,6 +1293,12 @@ def _count(text: str, zero: str = "0") -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be {zero} or more, not {value}")
     return value
+
+
+def _dead_letter_queue(text: str) -> str:
+    if not text.startswith("queue://") or len(text) == len("queue://") or "::" in text:
+        raise argparse.ArgumentTypeError(f"must be a queue://NAME, not {text!r}")
+    return text
 
 
 def _cap(text: str) -> int:
@@ -1335,6 +1361,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         duplicate_id_cache_size=args.duplicate_id_cache_size,
         duplicate_id_retention=args.duplicate_id_retention,
         duplicate_id_max_bytes=args.duplicate_id_max_bytes,
+        max_delivery_attempts=args.max_delivery_attempts,
+        dead_letter_queue=args.dead_letter_queue,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
@@ -19,6 +20,7 @@ from hafailover.ack_modes import AckAction
 from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at
 from hafailover.core.failover import Admission
 from hafailover.core.inflight import CallKind
+from hafailover.core.subscriptions import NamedSubscription, RedeliveryLimit
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
@@ -41,6 +43,8 @@ __all__ = ["DEFAULT_PREFETCH", "Consumer"]
 
 DEFAULT_PREFETCH: Final = 100
 
+log = logging.getLogger("hafailover")
+
 
 class Consumer:
     """Receives from one destination, with receive() or a message listener."""
@@ -54,8 +58,15 @@ class Consumer:
         selector: str | None = None,
         *,
         dedup: int = 0,
+        named: NamedSubscription | None = None,
+        max_redeliveries: int = -1,
     ) -> None:
         self.session = session
+        # A durable or shared subscription: subscribed by this name on every link (F5).
+        self.named = named
+        # Poison messages: past this many failures a delivery is rejected, not handed out.
+        self._redelivery = RedeliveryLimit(max_redeliveries)
+        self.rejected = 0  # deliveries rejected to the dead-letter address
         self.selector = selector
         self.subscription = subscription
         self.destination = destination
@@ -114,6 +125,7 @@ class Consumer:
                 prefetch=self.prefetch,
                 selector=self.selector,
                 token=token,
+                named=self.named,
             )
         except BaseException as exc:
             with connection._cond:
@@ -167,6 +179,11 @@ class Consumer:
                 # F6: handed out before a reconnect lost its pipelined acknowledge.
                 self._drop_duplicate(tag)
                 continue
+            if self._acknowledged and self._redelivery.exceeded(
+                _stable_id(message), message.delivery_count
+            ):
+                self._reject_poison(tag, message)
+                continue
             dedup = self._dedup
             if dedup is not None:
                 message_id = message.message_id
@@ -184,6 +201,31 @@ class Consumer:
             session.connection._received += 1
             return message
         return None
+
+    def _reject_poison(self, tag: str, message: Message) -> None:
+        """Under the lock: ``message`` failed more often than ``max_redeliveries`` allows;
+        it goes to the broker's dead-letter address (NACK without requeue on STOMP, the
+        rejected outcome on AMQP) and is reported. A reject that cannot be written now is
+        not retried: the delivery comes again and is rejected again (its count is kept for
+        that)."""
+        connection = self.session.connection
+        self.rejected += 1
+        limit = self._redelivery
+        log.warning(
+            "consumer of %s rejected message %s to the dead-letter address after %d "
+            "failed deliveries (max_redeliveries=%d)",
+            self.destination,
+            message.message_id,
+            limit.failures(_stable_id(message), message.delivery_count),
+            limit.max_redeliveries,
+        )
+        link = connection._admitted_link()
+        if link is None:
+            return
+        try:
+            link.reject(self.subscription, tag)
+        except HaFailoverError as exc:
+            connection._io_failed(link, exc)
 
     def _drop_duplicate(self, tag: str) -> None:
         """Under the lock: a delivery whose id this consumer had delivered and acknowledged
@@ -244,6 +286,7 @@ class Consumer:
         decision = session.rules.listener_failed(delivery)
         if decision.action is not AckAction.REDELIVER:
             return
+        self._redelivery.failed(_stable_id(message), message.delivery_count)
         if self._dedup is not None and self._remembered_at is Remembered.AT_DELIVERY:
             self._dedup.forget(message.message_id)  # its redelivery is no duplicate
         session._forget_seen(decision.tags)
@@ -424,3 +467,11 @@ class Consumer:
             message = self.receive()
             if message is not None:
                 yield message
+
+
+def _stable_id(message: Message) -> str | None:
+    """The id by which a consumer counts a message's failures itself: its sender's id,
+    the same on every delivery by every broker. A broker's own message id may change from
+    one delivery to the next (RabbitMQ's STOMP ids do): then only the broker's count
+    counts."""
+    return message.message_id if message._sender_id else None

@@ -293,8 +293,11 @@ class StompTransport:
         reattach: str | None = None,
         window: int = -1,
         connection_ttl: float | None = None,
+        client_id: str | None = None,
     ) -> Opened:
-        """Connect and log in; ask to reattach to session ``reattach`` if given."""
+        """Connect and log in; ask to reattach to session ``reattach`` if given.
+        ``client_id``: sent as ``client-id`` (Artemis and ActiveMQ name durable
+        subscriptions by it)."""
         self.broker = broker
         ms = int(self.heartbeat * 1000)
         connection = stomp.Connection12(
@@ -333,6 +336,8 @@ class StompTransport:
             headers["hafailover-ttl"] = str(ttl_ms if connection_ttl is not None else 2**31 - 1)
         if reattach is not None:
             headers["hafailover-reattach"] = reattach
+        if client_id is not None:
+            headers["client-id"] = client_id
         try:
             with _map_errors(broker):
                 connection.connect(broker.user, broker.password, wait=False, headers=headers)
