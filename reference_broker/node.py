@@ -89,11 +89,14 @@ from reference_broker.journal import (
     RECORD_OVERHEAD,
     Journal,
     JournalError,
+    JournalFormatError,
     Record,
     SegmentInfo,
     SyncPolicy,
+    check_format,
 )
 from reference_broker.records import (
+    RECORD_FORMAT,
     CheckpointBegin,
     CheckpointEnd,
     RecordError,
@@ -474,9 +477,27 @@ class Node:
             # directory made before (mkdir's mode applies only to a new one).
             directory.mkdir(mode=PRIVATE_DIRECTORY, parents=True, exist_ok=True)
             directory.chmod(PRIVATE_DIRECTORY)
+        # A journal of another record format is refused before this node takes any role: as
+        # live it could not read it, and as backup it would delete it to copy the live's.
+        check_format(self.journal_dir, RECORD_FORMAT, reads_unversioned=True)
         self.pair_secret = load_pair_secret(config.pair_dir, config.pair_secret_file)
         # Verified logins travel to the backup as digests under a key derived from this secret.
         self.users.verified_logins.use_pair_secret(self.pair_secret)
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.config.data_dir / "journal"
+
+    def _open_journal(self) -> Journal:
+        """The journal in this node's format; unversioned journals (written before formats
+        were recorded) are read as this format, which decodes every record they hold."""
+        return Journal.open(
+            self.journal_dir,
+            sync=_sync_policy(self.config.sync),
+            segment_size=self.config.segment_size,
+            content_format=RECORD_FORMAT,
+            reads_unversioned=True,
+        )
 
     # --- persistent identity ---------------------------------------------------------------
 
@@ -816,12 +837,7 @@ class Node:
     async def _prepare_store(self) -> tuple[Engine, Store, Checkpointer] | None:
         """Open and recover the journal; None if it cannot be made ready to serve."""
         config = self.config
-        journal = await asyncio.to_thread(
-            Journal.open,
-            config.data_dir / "journal",
-            sync=_sync_policy(config.sync),
-            segment_size=config.segment_size,
-        )
+        journal = await asyncio.to_thread(self._open_journal)
         started = time.monotonic()
         engine = await asyncio.to_thread(
             lambda: Engine.recover(
@@ -896,14 +912,8 @@ class Node:
         """A new, empty journal for an initial synchronization (the old one is stale)."""
         await self._close_backup_store()
         self.eligible = None
-        journal_dir = self.config.data_dir / "journal"
-        await asyncio.to_thread(shutil.rmtree, journal_dir, True)
-        journal = await asyncio.to_thread(
-            Journal.open,
-            journal_dir,
-            sync=_sync_policy(self.config.sync),
-            segment_size=self.config.segment_size,
-        )
+        await asyncio.to_thread(shutil.rmtree, self.journal_dir, True)
+        journal = await asyncio.to_thread(self._open_journal)
         self._backup_store = Store(journal)
         return self._backup_store
 
@@ -1352,7 +1362,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.0001)
     try:
         node = Node(config_from_args(args))
-    except PairSecretError as exc:
+    except (PairSecretError, JournalFormatError) as exc:
         log.error("%s", exc)  # noqa: TRY400 - the reason is the whole story
         return 2
     asyncio.run(node.run())
