@@ -384,9 +384,16 @@ class LeaseKeeper:
     Renewals and the drop of the lease take one lock, so a lease the loop dropped is never
     brought back by a renewal that raced with it. The keeper renews only a lease that may
     still be served: one that lapsed (the process was paused past it) is the loop's to fence.
+
+    A renewal that fails with OSError (the pair directory cannot be written: a full or
+    read-only disk, a shared file system gone) leaves the old lease standing (the witness
+    wrote nothing that counts): the keeper logs it once, says it in ``renew_error``, and tries
+    again every ``_RETRY`` until the directory takes it or the lease runs out and the loop
+    fences. Any other failure drops the lease at once, logged: the thread never dies silently.
     """
 
     _POLL = 0.01  # seconds between the thread's looks at the clock
+    _RETRY = 0.05  # seconds between renewals while the pair directory refuses them
 
     def __init__(self, node: Node) -> None:
         self._node = node
@@ -400,6 +407,9 @@ class LeaseKeeper:
         self.loop_max_stall = 0.0
         self.max_gap = 0.0  # longest time between two renewals (the first from the claim)
         self.renewals = 0
+        self.renew_error: str | None = None  # why renewals fail now; None while they work
+        self.renew_failures = 0  # renewals that failed with OSError, in all
+        self._retry_at = 0.0
         lease = node.lease
         self._last = lease.renewed_at if lease is not None else time.monotonic()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
@@ -428,6 +438,17 @@ class LeaseKeeper:
             self.loop_max_stall = max(self.loop_max_stall, time.monotonic() - before - period)
 
     def _run(self) -> None:
+        try:
+            self._renew_while_due()
+        except Exception:
+            log.exception(
+                "%s: the lease keeper failed: dropping the lease (the node fences itself)",
+                self._node.config.node_id,
+            )
+            with self._lock:
+                self._node.lease = None
+
+    def _renew_while_due(self) -> None:
         node = self._node
         while not self._stopped.wait(self._POLL):
             with self._lock:
@@ -441,7 +462,20 @@ class LeaseKeeper:
                     continue
                 if now - self.loop_seen > self._stall_limit:
                     continue  # the loop is hung: let the lease run out, the backup takes over
-                decision = node.witness.renew(node.config.node_id, lease.activation)
+                if now < self._retry_at:
+                    continue
+                try:
+                    decision = node.witness.renew(node.config.node_id, lease.activation)
+                except OSError as exc:
+                    self._renewal_failed(lease, now, exc)
+                    continue
+                if self.renew_error is not None:
+                    log.warning(
+                        "%s: lease renewed again after %d failed attempts",
+                        node.config.node_id,
+                        self.renew_failures,
+                    )
+                    self.renew_error = None
                 if decision.outcome is Outcome.RENEWED and decision.lease is not None:
                     node.lease = decision.lease
                     self.max_gap = max(self.max_gap, decision.lease.renewed_at - self._last)
@@ -451,6 +485,21 @@ class LeaseKeeper:
                     log.warning("%s fenced: %s", node.config.node_id, decision.reason)
                     node.lease = None
                     return
+
+    def _renewal_failed(self, lease: Lease, now: float, exc: OSError) -> None:
+        """The pair directory refused a renewal: the old lease stands until it runs out."""
+        self.renew_failures += 1
+        self._retry_at = now + self._RETRY
+        if self.renew_error is None:
+            log.error(
+                "%s cannot renew its lease in %s: %s; retrying until the lease runs out in "
+                "%.2fs, then it stops serving",
+                self._node.config.node_id,
+                self._node.config.pair_dir,
+                exc,
+                max(0.0, lease.serve_until - now),
+            )
+        self.renew_error = f"{type(exc).__name__}: {exc}"
 
 
 class Node:
@@ -789,7 +838,21 @@ class Node:
                 now = time.monotonic()
                 lease = self.lease
                 if lease is None or not lease.may_serve(now):
-                    log.warning("%s: lease no longer valid: fencing itself", config.node_id)
+                    log.warning(
+                        "%s: lease no longer valid: fencing itself%s",
+                        config.node_id,
+                        ""
+                        if keeper.renew_error is None
+                        else f" (renewals failing: {keeper.renew_error})",
+                    )
+                    self._fenced_status()
+                    break
+                if replication.failed is not None:
+                    # It could not record that the backup it lost is no longer eligible, so it
+                    # must confirm nothing without it: stop serving; the backup holds every
+                    # record confirmed and may take over once the lease runs out.
+                    log.error("%s: %s: fencing itself", config.node_id, replication.failed)
+                    keeper.stop()
                     self._fenced_status()
                     break
                 if (

@@ -470,6 +470,12 @@ class LiveReplicationServer:
         self._handover: asyncio.Task[None] | None = None  # at most one per live
         self._link: asyncio.Task[Any] | None = None  # the task serving the attached backup
         self._keep_eligibility = False
+        # The pair directory may say the attached backup is eligible: set before the record
+        # is written (a write that fails may still have landed), cleared once it is revoked.
+        self._maybe_eligible = False
+        # Why this live may confirm nothing more (None: it may): the revocation of a lost
+        # backup's eligibility could not be recorded. The node reads it and fences itself.
+        self.failed: str | None = None
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(
@@ -522,6 +528,10 @@ class LiveReplicationServer:
             )
             writer.close()
             return
+        if self.failed is not None:
+            log.warning("backup %s refused: %s", backup_id, self.failed)
+            writer.close()
+            return
         # One link at a time: the sync state below is the link's. A connection that arrives
         # while the previous link is still alive, or still ending, is refused; the backup
         # tries again.
@@ -543,10 +553,35 @@ class LiveReplicationServer:
             self._backlog_bytes = 0
             self._outbox.clear()
             self._writer = None
-            if self.backup_id is not None and not self._keep_eligibility:
-                self._on_eligibility(self.backup_id, False)
-            self.store.detach_replica(f"link to backup {self.backup_id} lost")
+            if self._revoke_eligibility():
+                self.store.detach_replica(f"link to backup {self.backup_id} lost")
             writer.close()
+
+    def _revoke_eligibility(self) -> bool:
+        """Record that the lost backup may no longer take over; True once the live may
+        confirm without it. When the record cannot be written (the pair directory refuses
+        it) and the backup may be recorded eligible, the replica stays attached, so nothing
+        is confirmed without it, and ``failed`` tells the node to stop serving."""
+        if self.backup_id is None or self._keep_eligibility:
+            return True
+        try:
+            self._on_eligibility(self.backup_id, False)
+        except OSError as exc:
+            if not self._maybe_eligible:
+                log.warning(
+                    "cannot record backup %s as not eligible (%s); it never was",
+                    self.backup_id,
+                    exc,
+                )
+                return True
+            self.failed = (
+                f"cannot record in the pair directory that backup {self.backup_id} is no "
+                f"longer eligible ({exc}), so may confirm nothing without it"
+            )
+            log.error("%s", self.failed)  # noqa: TRY400 - the cause is the whole story
+            return False
+        self._maybe_eligible = False
+        return True
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         log.info("backup %s attached: initial synchronization starts", self.backup_id)
@@ -672,7 +707,14 @@ class LiveReplicationServer:
                     # The backup holds every record confirmed so far, and the store confirms
                     # nothing more without it: from now on it may take over.
                     assert self.backup_id is not None
-                    self._on_eligibility(self.backup_id, True)
+                    self._maybe_eligible = True
+                    try:
+                        self._on_eligibility(self.backup_id, True)
+                    except OSError as exc:
+                        raise ConnectionError(
+                            f"cannot record backup {self.backup_id} as eligible in the pair "
+                            f"directory: {exc}"
+                        ) from exc
                     self.synchronized = True
                     log.info(
                         "backup %s holds everything up to seq %d: eligible", self.backup_id, seq

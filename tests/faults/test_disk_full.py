@@ -245,3 +245,27 @@ def test_a_journal_with_no_room_for_a_segment_stays_open_and_whole(tmp_path: Pat
         assert active.stat().st_blocks * 512 < segment / 2, "the reserve was not given back"
         with Journal.open(directory / "journal", sync=SyncPolicy.always()) as reopened:
             assert [r.seq for r in reopened.replay()] == appended
+
+
+def test_a_full_pair_directory_fences_the_live_that_cannot_revoke_its_lost_backup(
+    tmp_path: Path,
+) -> None:
+    """The pair directory's disk fills, then the backup dies: the live cannot record that
+    the backup is no longer eligible, so it must not go on alone. It stops serving at once
+    (before its failing lease renewals would run the lease out) and says why in its log;
+    nothing escapes as an unhandled error."""
+    pair = BrokerPair(tmp_path / "pair", user="app", password="secret")
+    with small_disk(pair.pair_dir, DISK), pair:
+        pair.wait_synchronized(30)
+        live, backup = pair.nodes
+        hog = DiskHog(pair.pair_dir)
+        try:
+            hog.start()
+            pair.kill(backup)
+            wait_until(lambda: live.status().get("role") == "backup", 10, "the live to fence")
+        finally:
+            hog.release()
+        log = live.log_path.read_text()
+    fenced = [line for line in log.splitlines() if "fencing itself" in line]
+    assert fenced and "is no longer eligible" in fenced[0], fenced
+    assert "Traceback" not in log and "Unhandled exception" not in log
