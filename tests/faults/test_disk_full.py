@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from hafailover import BrokerResourceError, ErrorCode
 from reference_broker import BrokerPair
 from reference_broker.engine import DiskFullError, Engine
 from reference_broker.journal import Journal, JournalFullError, SyncPolicy
@@ -96,6 +97,11 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
         assert len(producer.confirmed) == confirmed_when_refused
         reasons = {f"{type(error).__name__}: {error}" for _, error in producer.refusals}
         assert all("disk is full" in reason for reason in reasons), reasons
+        # Its own type on both protocols, not a generic error or a lost connection.
+        assert all(
+            isinstance(error, BrokerResourceError) and error.code is ErrorCode.RESOURCE_LIMIT
+            for _, error in producer.refusals
+        ), reasons
         if protocol == "amqp":  # the AMQP condition for a limit, as Artemis's "address full"
             assert all("amqp:resource-limit-exceeded" in reason for reason in reasons), reasons
         assert pair.live is pair.nodes[0], "the live gave up its role over a full disk"
