@@ -275,3 +275,56 @@ def test_a_full_pair_directory_fences_the_live_that_cannot_revoke_its_lost_backu
     fenced = [line for line in log.splitlines() if "fencing itself" in line]
     assert fenced and "is no longer eligible" in fenced[0], fenced
     assert "Traceback" not in log and "Unhandled exception" not in log
+
+
+ACK_SEGMENT = 32 * 1024  # a reserve of at most 8 KiB: a couple of hundred acknowledges
+BACKLOG = 600
+
+
+def test_acknowledges_on_a_full_disk_use_the_reserve_and_its_end_hands_over_to_the_backup(
+    tmp_path: Path, protocol: str
+) -> None:
+    """The live's disk full with a backlog waiting: acknowledges go on in the active
+    segment's reserve while sends are refused; when the reserve runs out, the write that
+    finds no room fails the live's journal and it fences itself (log: the full disk), its
+    synchronized backup takes over, and the consumer goes on there: nothing is lost or
+    doubled, acknowledges in flight at the end are in doubt (their messages come again)."""
+    pair = BrokerPair(tmp_path / "pair", user="app", password="secret", segment_size=ACK_SEGMENT)
+    live, backup = pair.nodes
+    with small_disk(live.data_dir, DISK), pair:
+        pair.wait_synchronized(30)
+        queue = "queue://ack-reserve"
+        url = url_for(pair, protocol, reconnect_attempts=-1, heartbeat="1s")
+        producer = ConfirmedProducer(url, queue)
+        consumer = AckingConsumer(url, queue)
+        hog = DiskHog(live.data_dir)
+        producer.start()
+        try:
+            wait_until(lambda: len(producer.confirmed) >= BACKLOG, 60, "a backlog")
+            hog.start()
+            wait_until(lambda: producer.refusals, 20, "a send refused for the full disk")
+            producer.stop.set()
+            consumer.start()
+            wait_until(lambda: backup.role == "live", 60, "the reserve to run out")
+            acknowledged_on_live = len(consumer.acknowledged)
+            # The consumer goes on with the rest on the backup.
+            wait_until(
+                lambda: len(consumer.acknowledged) > acknowledged_on_live + 100,
+                30,
+                "acknowledges on the backup",
+            )
+        finally:
+            hog.release()
+            stop_all(producer, consumer)
+        log = live.log_path.read_text()
+        outcome = check(pair, protocol, queue, producer, consumer)
+    assert acknowledged_on_live >= 50, "acknowledges stopped before the reserve was used"
+    assert "journal write failed" in log and "no space left for a new journal segment" in log
+    assert "the journal failed: fencing itself" in log
+    print(
+        "\n"
+        + outcome.line("acknowledge reserve used up on a full disk", protocol)
+        + f" acknowledged on the full live={acknowledged_on_live}"
+        f" in doubt={len(consumer.in_doubt)} stale acknowledges={consumer.stale}"
+    )
+    outcome.assert_clean()
