@@ -30,10 +30,10 @@ from reference_broker.engine import DiskFullError, Engine
 from reference_broker.journal import Journal, JournalFullError, SyncPolicy
 from reference_broker.node import Checkpointer
 from reference_broker.store import Store
-from tests.integration.support import url_for, wait_until
+from tests.integration.support import AckingConsumer, url_for, wait_until
 
+from .clients import ConfirmedProducer, base_url, check, stop_all
 from .disk import DiskHog, small_disk
-from .traffic import AckingConsumer, ConfirmedProducer, check, stop_all
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,19 +88,19 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
         wait_until(lambda: len(producer.confirmed) >= 200, 30, "a backlog")
         hog.start()
         full_at = time.monotonic()
-        wait_until(lambda: producer.refusals, 20, "a send refused for the full disk")
-        refused_at = producer.refusals[0][0]
+        wait_until(lambda: producer.raised, 20, "a send refused for the full disk")
+        refused_at = producer.raised[0].at
         confirmed_when_refused = len(producer.confirmed)
         consumer.start()
         wait_until(lambda: len(consumer.acknowledged) >= 100, 20, "acknowledges on a full disk")
         # Still full: nothing more was confirmed, every refusal says why.
         assert len(producer.confirmed) == confirmed_when_refused
-        reasons = {f"{type(error).__name__}: {error}" for _, error in producer.refusals}
+        reasons = {f"{type(e.error).__name__}: {e.error}" for e in producer.raised}
         assert all("disk is full" in reason for reason in reasons), reasons
         # Its own type on both protocols, not a generic error or a lost connection.
         assert all(
-            isinstance(error, BrokerResourceError) and error.code is ErrorCode.RESOURCE_LIMIT
-            for _, error in producer.refusals
+            isinstance(e.error, BrokerResourceError) and e.error.code is ErrorCode.RESOURCE_LIMIT
+            for e in producer.raised
         ), reasons
         if protocol == "amqp":  # the AMQP condition for a limit, as Artemis's "address full"
             assert all("amqp:resource-limit-exceeded" in reason for reason in reasons), reasons
@@ -112,12 +112,12 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
     finally:
         hog.release()
         stop_all(producer, consumer)
-    outcome = check(pair, protocol, queue, producer, consumer)
+    outcome = check(base_url(pair, protocol), queue, [producer], [consumer])
     print(
         "\n"
         + outcome.line("live's disk full", protocol)
         + f" (producer {producer.failovers}, consumer {consumer.failovers})"
-        f" refusals={len(producer.refusals)} first refusal {refused_at - full_at:.2f}s"
+        f" refusals={len(producer.raised)} first refusal {refused_at - full_at:.2f}s"
         f" after the disk filled, sends confirmed {resumed:.2f}s after space returned;"
         f" the refusal: {next(iter(reasons))}"
     )
@@ -158,7 +158,7 @@ def test_a_full_disk_on_the_backup_is_never_counted_as_a_copy(
     finally:
         hog.release()
         stop_all(producer)
-    outcome = check(pair, protocol, queue, producer)
+    outcome = check(base_url(pair, protocol), queue, [producer])
     print("\n" + outcome.line("backup's disk full, then the live killed", protocol))
     outcome.assert_clean()
 
@@ -289,7 +289,15 @@ def test_acknowledges_on_a_full_disk_use_the_reserve_and_its_end_hands_over_to_t
     finds no room fails the live's journal and it fences itself (log: the full disk), its
     synchronized backup takes over, and the consumer goes on there: nothing is lost or
     doubled, acknowledges in flight at the end are in doubt (their messages come again)."""
-    pair = BrokerPair(tmp_path / "pair", user="app", password="secret", segment_size=ACK_SEGMENT)
+    # A long lease: on a loaded machine a missed renewal must not move the role before the
+    # reserve is used up.
+    pair = BrokerPair(
+        tmp_path / "pair",
+        user="app",
+        password="secret",
+        segment_size=ACK_SEGMENT,
+        heartbeat_timeout=2.0,
+    )
     live, backup = pair.nodes
     with small_disk(live.data_dir, DISK), pair:
         pair.wait_synchronized(30)
@@ -302,11 +310,16 @@ def test_acknowledges_on_a_full_disk_use_the_reserve_and_its_end_hands_over_to_t
         try:
             wait_until(lambda: len(producer.confirmed) >= BACKLOG, 60, "a backlog")
             hog.start()
-            wait_until(lambda: producer.refusals, 20, "a send refused for the full disk")
+            wait_until(lambda: producer.raised, 20, "a send refused for the full disk")
             producer.stop.set()
             consumer.start()
-            wait_until(lambda: backup.role == "live", 60, "the reserve to run out")
-            acknowledged_on_live = len(consumer.acknowledged)
+            wait_until(
+                lambda: "journal write failed" in live.log_path.read_text(errors="replace"),
+                60,
+                "the reserve to run out",
+            )
+            acknowledged_on_live = len(consumer.acknowledged)  # none is confirmed after it
+            wait_until(lambda: backup.role == "live", 30, "the backup to take over")
             # The consumer goes on with the rest on the backup.
             wait_until(
                 lambda: len(consumer.acknowledged) > acknowledged_on_live + 100,
@@ -317,7 +330,7 @@ def test_acknowledges_on_a_full_disk_use_the_reserve_and_its_end_hands_over_to_t
             hog.release()
             stop_all(producer, consumer)
         log = live.log_path.read_text()
-        outcome = check(pair, protocol, queue, producer, consumer)
+        outcome = check(base_url(pair, protocol), queue, [producer], [consumer])
     assert acknowledged_on_live >= 50, "acknowledges stopped before the reserve was used"
     assert "journal write failed" in log and "no space left for a new journal segment" in log
     assert "the journal failed: fencing itself" in log
