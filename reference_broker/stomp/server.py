@@ -332,7 +332,8 @@ class StompConnection(asyncio.Protocol):
             handler = self._HANDLERS[command]
             handler(self, frame, session)
         except BrokerError as exc:
-            self._error(str(exc), receipt=frame.get("receipt"))
+            # The engine's code (DISK_FULL, ...) lets a client tell the refusal apart.
+            self._error(str(exc), receipt=frame.get("receipt"), extra=(("code", exc.code),))
             return
         except StompProtocolError as exc:
             self._error(exc.message, receipt=frame.get("receipt"))
