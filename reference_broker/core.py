@@ -24,7 +24,7 @@ import attrs
 
 from reference_broker.engine import Delivery, Engine
 from reference_broker.store import Store
-from reference_broker.users import UsersFile
+from reference_broker.users import UsersFile, login_guard
 
 __all__ = ["BrokerCore", "DeliveryTarget", "HeldSession", "ServeConfig"]
 
@@ -187,13 +187,13 @@ class BrokerCore:
 
     # --- security --------------------------------------------------------------------------
 
-    def authenticate(self, user: str | None, password: str | None, peer: str) -> bool:
-        if user is None and password is None and self.config.allow_anonymous:
-            return True
-        if self.users.verify(user, password):
-            return True
-        log.warning("authentication failed for user %r from %s", user, peer)
-        return False
+    async def authenticate(self, user: str | None, password: str | None, peer: str) -> bool:
+        """A client's login, the one path for both protocols: through the node's login guard
+        (reference_broker.users.LoginGuard: off the loop, throttled), anonymous only with
+        allow_anonymous. A refusal is logged there with the user and ``peer``."""
+        return await login_guard(self.users).authenticate(
+            user, password, peer, allow_anonymous=self.config.allow_anonymous
+        )
 
     # --- sessions held for reattach --------------------------------------------------------
 

@@ -115,7 +115,6 @@ from reference_broker.engine import (
 from reference_broker.engine import Delivery as EngineDelivery
 from reference_broker.message import BrokerError, InvalidRequestError, NotFoundError
 from reference_broker.message import Message as EngineMessage
-from reference_broker.users import login_guard
 
 __all__ = [
     "PRODUCER_CREDIT",
@@ -170,10 +169,11 @@ _CLOSE_GRACE: Final = 2.0
 class _Producer:
     """A client's sender link: the broker receives."""
 
-    __slots__ = ("address", "inflight", "link", "temp_queue")
+    __slots__ = ("address", "inflight", "link", "oversized", "temp_queue")
 
     def __init__(self, link: Link, address: str | None, temp_queue: str | None) -> None:
         self.link = link
+        self.oversized = False  # the transfer arriving is over the size limit: dropped
         self.address = address  # None: anonymous relay
         self.temp_queue = temp_queue
         self.inflight = 0  # transfers received, not yet confirmed
@@ -400,9 +400,7 @@ class AmqpConnection(asyncio.Protocol):
         self._login = asyncio.get_running_loop().create_task(self._log_in(sasl, user, password))
 
     async def _log_in(self, sasl: SaslServer, user: str | None, password: str | None) -> None:
-        ok = await login_guard(self.core.users).authenticate(
-            user, password, self.peer, allow_anonymous=self.core.config.allow_anonymous
-        )
+        ok = await self.core.authenticate(user, password, self.peer)
         if not self._closed and self._sasl is sasl:
             self._sasl_verdict(sasl, user if ok else None, ok=ok)
 
@@ -765,7 +763,9 @@ class AmqpConnection(asyncio.Protocol):
             if delivery.updated:
                 self._on_disposition(state, delivery)
         elif isinstance(state, _Producer | _Coordinator):
-            payload = self._read_transfer(link, delivery)
+            payload = self._read_transfer(
+                link, delivery, state if isinstance(state, _Producer) else None
+            )
             if payload is None:
                 return
             if isinstance(state, _Producer):
@@ -775,32 +775,78 @@ class AmqpConnection(asyncio.Protocol):
         elif isinstance(state, _Browser):
             if delivery.updated and not delivery.settled:
                 delivery.settle()
-        elif link.is_receiver and delivery.readable and not delivery.partial:
-            # A transfer on a link already ended: drop it.
-            link.recv(delivery.pending)
+        elif link.is_receiver:
+            self._discard(link, delivery)
+
+    @staticmethod
+    def _discard(link: Link, delivery: Delivery, *, reject: Condition | None = None) -> None:
+        """Read and drop a transfer's bytes as they come (one refused for its size, or on a
+        link already ended), so that they are never held; once it is whole, settle it,
+        rejected with ``reject`` when given."""
+        if delivery.aborted:
             link.advance()
             delivery.settle()
+            return
+        if delivery.readable and delivery.pending:
+            link.recv(delivery.pending)
+        if not delivery.partial:
+            link.advance()
+            if reject is not None and not delivery.settled:
+                delivery.local.condition = reject
+                delivery.update(Delivery.REJECTED)
+            delivery.settle()
 
-    def _read_transfer(self, link: Link, delivery: Delivery) -> bytes | None:
-        """The whole payload of a transfer once it has arrived; None until then."""
+    def _read_transfer(
+        self, link: Link, delivery: Delivery, producer: _Producer | None
+    ) -> bytes | None:
+        """The whole payload of a transfer once it has arrived; None until then.
+
+        A transfer over the size limit is read and dropped as it comes, never held, and then
+        rejected with amqp:link:message-size-exceeded: the link stays, so the client goes on
+        on it (or closes it and reopens one of the same name). Ending the link instead made
+        a client that reopened at once fail: proton writes the new link's attach before the
+        old one's detach, and the broker's proton refuses "link name already attached". A
+        pre-settled transfer has no outcome to carry the refusal: its link is ended.
+        """
         if delivery.aborted:
+            if producer is not None:
+                producer.oversized = False
             delivery.settle()
             link.advance()
             return None
         if not delivery.readable:
             return None
         limit = self.core.config.max_body_size + _MESSAGE_OVERHEAD
+        if producer is not None and producer.oversized:
+            self._discard(link, delivery, reject=self._size_condition(limit))
+            if not delivery.partial:
+                producer.oversized = False
+                self._top_up(producer)
+            return None
         if delivery.pending > limit:
-            link.condition = Condition(
-                "amqp:link:message-size-exceeded", f"messages are limited to {limit} bytes"
-            )
-            self._end_link(link, closed=True)
+            if producer is None or delivery.settled:
+                link.condition = self._size_condition(limit)
+                self._end_link(link, closed=True)
+                self._discard(link, delivery)
+                return None
+            log.info("amqp client %s: a transfer over %d bytes refused", self.peer, limit)
+            producer.oversized = delivery.partial
+            self._discard(link, delivery, reject=self._size_condition(limit))
+            if not delivery.partial:
+                self._top_up(producer)
             return None
         if delivery.partial:
             return None
         payload = link.recv(delivery.pending) or b""
         link.advance()
         return payload
+
+    def _size_condition(self, limit: int) -> Condition:
+        return Condition(
+            "amqp:link:message-size-exceeded",
+            f"messages are limited to {limit} bytes (a body of --max-message-size "
+            f"{self.core.config.max_body_size} and {_MESSAGE_OVERHEAD} for the other sections)",
+        )
 
     def _on_transfer(self, producer: _Producer, delivery: Delivery, payload: bytes) -> None:
         link = producer.link

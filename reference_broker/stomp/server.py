@@ -68,7 +68,6 @@ from hafailover.protocols.stomp.frame import (
 from reference_broker.core import BrokerCore
 from reference_broker.engine import AckMode, Delivery
 from reference_broker.message import BrokerError, InvalidRequestError
-from reference_broker.users import login_guard
 
 __all__ = ["StompConnection", "StompSession", "serve_stomp", "stomp_destination"]
 
@@ -357,9 +356,7 @@ class StompConnection(asyncio.Protocol):
 
     async def _log_in(self, frame: Frame, version: str) -> None:
         user, passcode = frame.get("login"), frame.get("passcode")
-        ok = await login_guard(self.core.users).authenticate(
-            user, passcode, self.peer, allow_anonymous=self.core.config.allow_anonymous
-        )
+        ok = await self.core.authenticate(user, passcode, self.peer)
         if self._closing:
             return
         if not ok:
