@@ -69,8 +69,9 @@ class ServeConfig:
     amqp_message_id_duplicates: bool = False
     # The largest message body a client may send on either protocol (--max-message-size).
     max_body_size: int = DEFAULT_MAX_MESSAGE_SIZE
-    # Logged-in client connections the node serves at once, in all and per user (0: no cap);
-    # one more is refused with the cap named (--max-connections, --max-connections-per-user).
+    # Client connections the node serves at once (0: no cap): in all, every accepted socket,
+    # logged in or not; per user, the logged-in ones. One more is refused with the cap
+    # named (--max-connections, --max-connections-per-user).
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_connections_per_user: int = 0
     # Unsettled deliveries a client-acknowledge consumer may hold unless it asks otherwise.
@@ -104,19 +105,42 @@ class BrokerCore:
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
         self._next_session = 0
-        self._admitted: dict[object, str | None] = {}  # connection -> its user
+        self._sockets: set[object] = set()  # accepted client connections, logged in or not
+        self._admitted: dict[object, str | None] = {}  # logged-in connection -> its user
+        self._at_cap = False  # refusing at --max-connections (logged once each time)
+        self.refused_connections = 0
         self._per_user: dict[str | None, int] = {}
 
     # --- connection caps -------------------------------------------------------------------
 
-    def admit(self, connection: object, user: str | None) -> str | None:
-        """Count a logged-in ``connection`` against the caps: None, or why it is refused."""
+    def accept(self, connection: object) -> str | None:
+        """A socket was accepted: count it against --max-connections from now on, logged in
+        or not, so that a flood of sockets that never log in is bounded too. None, or why
+        it is refused (the server says so and closes it)."""
         config = self.config
-        if config.max_connections and len(self._admitted) >= config.max_connections:
+        if config.max_connections and len(self._sockets) >= config.max_connections:
+            self.refused_connections += 1
+            if not self._at_cap:
+                self._at_cap = True
+                log.warning(
+                    "%d client connections (--max-connections): refusing new ones",
+                    config.max_connections,
+                )
             return (
                 f"too many connections: this node serves at most {config.max_connections} "
                 "(--max-connections)"
             )
+        self._sockets.add(connection)
+        return None
+
+    def admit(self, connection: object, user: str | None) -> str | None:
+        """``connection`` logged in as ``user``: count it against the per-user cap. None, or
+        why it is refused."""
+        if connection not in self._sockets:
+            refused = self.accept(connection)  # a connection the listener did not count
+            if refused is not None:
+                return refused
+        config = self.config
         per_user = self._per_user.get(user, 0)
         if config.max_connections_per_user and per_user >= config.max_connections_per_user:
             return (
@@ -128,7 +152,11 @@ class BrokerCore:
         return None
 
     def release(self, connection: object) -> None:
-        """``connection`` ended: it no longer counts (nothing if it was never admitted)."""
+        """``connection`` ended, or is being closed: it no longer counts (nothing if it
+        never did; a second call does nothing)."""
+        self._sockets.discard(connection)
+        if self._at_cap and len(self._sockets) < self.config.max_connections:
+            self._at_cap = False
         if connection not in self._admitted:
             return
         user = self._admitted.pop(connection)
@@ -140,8 +168,9 @@ class BrokerCore:
 
     @property
     def connections(self) -> int:
-        """Logged-in client connections counted against --max-connections."""
-        return len(self._admitted)
+        """Client connections counted against --max-connections: every socket accepted and
+        not yet closed, logged in or not."""
+        return len(self._sockets)
 
     # --- the loop turn ---------------------------------------------------------------------
 

@@ -281,6 +281,7 @@ class AmqpConnection(asyncio.Protocol):
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         self._login: asyncio.Task[None] | None = None  # the SASL password check
+        self._over_cap = False  # accepted over --max-connections: refused at its Open
 
     # --- asyncio callbacks -----------------------------------------------------------------
 
@@ -290,8 +291,17 @@ class AmqpConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        timeout = self.handshake_timeout
+        refused = self.core.accept(self)
+        if refused is not None:
+            # Over --max-connections: the client hears why through the usual steps (SASL
+            # accepted without a check, then an Open and a Close that name the cap), and
+            # only has _CLOSE_GRACE to get there; no password is derived for it.
+            self._over_cap = True
+            self._refusal = ("amqp:resource-limit-exceeded", refused)
+            timeout = min(timeout, _CLOSE_GRACE)
         self._handshake_timer = asyncio.get_running_loop().call_later(
-            self.handshake_timeout, self._handshake_expired
+            timeout, self._handshake_expired
         )
 
     def data_received(self, data: bytes) -> None:
@@ -366,7 +376,7 @@ class AmqpConnection(asyncio.Protocol):
                 # No SASL: only a broker that allows anonymous clients lets it in; any other
                 # gets an Open and a Close that says why, which clients report clearly.
                 self._sasl = None
-                if not self.core.config.allow_anonymous:
+                if not self.core.config.allow_anonymous and self._refusal is None:
                     log.info("amqp client %s skipped SASL: refused", self.peer)
                     self._refusal = (
                         "amqp:unauthorized-access",
@@ -375,6 +385,9 @@ class AmqpConnection(asyncio.Protocol):
                 self._start_amqp(event.data)
 
     def _authenticate(self, sasl: SaslServer, init: SaslInitReceived) -> None:
+        if self._over_cap:
+            self._sasl_verdict(sasl, None, ok=True)  # refused at its Open, with the reason
+            return
         user: str | None = None
         password: str | None = None
         if init.mechanism == "PLAIN":
@@ -538,6 +551,7 @@ class AmqpConnection(asyncio.Protocol):
             if refused is not None:
                 self._refusal = ("amqp:resource-limit-exceeded", refused)
         if self._refusal is not None:
+            self.core.release(self)  # closing: it no longer holds a place under the caps
             name, text = self._refusal
             connection.open()
             connection.condition = Condition(name, text)
@@ -1118,6 +1132,7 @@ class AmqpConnection(asyncio.Protocol):
             return
         log.info("amqp client %s: closing the connection: %s: %s", self.peer, name, text)
         self._failed = True
+        self.core.release(self)
         self._end_engine_connection()
         if not connection.state & Endpoint.LOCAL_CLOSED:
             connection.condition = Condition(name, text)
@@ -1149,6 +1164,7 @@ class AmqpConnection(asyncio.Protocol):
             self.transport.write(data)
 
     def _close_socket(self) -> None:
+        self.core.release(self)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

@@ -225,6 +225,14 @@ class StompConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        refused = self.core.accept(self)
+        if refused is not None:
+            # Said and closed at once, before any frame is read: a flood of sockets costs
+            # the node one write each, and no log line each (the core logs the cap once).
+            self._closing = True
+            self._write(encode(Frame("ERROR", (("message", refused),), refused.encode())))
+            transport.close()
+            return
         self._connect_timer = asyncio.get_running_loop().call_later(30, self._connect_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -835,6 +843,7 @@ class StompConnection(asyncio.Protocol):
 
     def _close(self) -> None:
         self._closing = True
+        self.core.release(self)  # closing: it no longer holds a place under the caps
         if self.transport is not None:
             self.transport.close()
 
