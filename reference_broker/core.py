@@ -109,6 +109,7 @@ class BrokerCore:
         self._admitted: dict[object, str | None] = {}  # logged-in connection -> its user
         self._at_cap = False  # refusing at --max-connections (logged once each time)
         self.refused_connections = 0
+        self._blocked: dict[str, list[asyncio.Future[None]]] = {}  # address -> held producers
         self._per_user: dict[str | None, int] = {}
 
     # --- connection caps -------------------------------------------------------------------
@@ -183,6 +184,7 @@ class BrokerCore:
     def _turn(self) -> None:
         self._kicked = False
         self.dispatch()
+        self._wake_blocked()
         if self.engine.dispatch_pending:
             self.kick()  # the rest after the loop has written (and read) what is due
         records = self.engine.drain_records()
@@ -191,6 +193,23 @@ class BrokerCore:
             # still be looked at, or asyncio reports it as never retrieved.
             future = self.store.persist([r.encode() for r in records])
             future.add_done_callback(_log_failure)
+
+    # --- producers held by a full address (policy BLOCK) ------------------------------------
+
+    def wait_for_room(self, address: str) -> asyncio.Future[None]:
+        """A future that resolves once ``address``, which held a send back, has room again
+        (acknowledgements, expiry or a deletion made it); cancel it to stop waiting."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = [f for f in self._blocked.get(address, ()) if not f.done()]  # drop the ended
+        waiting.append(future)
+        self._blocked[address] = waiting
+        return future
+
+    def _wake_blocked(self) -> None:
+        for address in self.engine.drain_freed():
+            for future in self._blocked.pop(address, ()):
+                if not future.done():
+                    future.set_result(None)
 
     def dispatch(self) -> None:
         targets = self._targets

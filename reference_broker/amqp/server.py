@@ -108,6 +108,7 @@ from reference_broker.amqp.sasl import (
 from reference_broker.core import BrokerCore
 from reference_broker.engine import (
     AckMode,
+    AddressFullError,
     Outcome,
     UnknownDeliveryError,
     UnknownTransactionError,
@@ -169,11 +170,14 @@ _CLOSE_GRACE: Final = 2.0
 class _Producer:
     """A client's sender link: the broker receives."""
 
-    __slots__ = ("address", "inflight", "link", "oversized", "temp_queue")
+    __slots__ = ("address", "inflight", "link", "oversized", "parked", "room", "temp_queue")
 
     def __init__(self, link: Link, address: str | None, temp_queue: str | None) -> None:
         self.link = link
         self.oversized = False  # the transfer arriving is over the size limit: dropped
+        # Transfers held for a full address (policy BLOCK), in order, and what they wait for.
+        self.parked: deque[tuple[Delivery, bytes]] = deque()
+        self.room: asyncio.Future[None] | None = None
         self.address = address  # None: anonymous relay
         self.temp_queue = temp_queue
         self.inflight = 0  # transfers received, not yet confirmed
@@ -334,6 +338,9 @@ class AmqpConnection(asyncio.Protocol):
         if self._login is not None:
             self._login.cancel()
         self._end_engine_connection()
+        for state in self._links.values():
+            if isinstance(state, _Producer) and state.room is not None:
+                state.room.cancel()
         self._links.clear()
         self._unconfirmed.clear()
         if self._proton is not None:
@@ -702,6 +709,8 @@ class AmqpConnection(asyncio.Protocol):
         """
         state = self._links.pop(link, None)
         engine = self.core.engine
+        if isinstance(state, _Producer) and state.room is not None:
+            state.room.cancel()  # its held transfers go with it, never taken
         if isinstance(state, _Consumer):
             self._consumers.pop(state.consumer_id, None)
             self._draining.discard(state.consumer_id)
@@ -863,6 +872,9 @@ class AmqpConnection(asyncio.Protocol):
         )
 
     def _on_transfer(self, producer: _Producer, delivery: Delivery, payload: bytes) -> None:
+        if producer.parked:
+            producer.parked.append((delivery, payload))  # behind one held for a full address
+            return
         link = producer.link
         pre_settled = delivery.settled
         tx: int | None = None
@@ -891,6 +903,17 @@ class AmqpConnection(asyncio.Protocol):
                 tx=tx,
             )
         except BrokerError as exc:
+            if isinstance(exc, AddressFullError) and exc.blocking:
+                if tx is None:
+                    self._park(producer, delivery, payload, exc.address)
+                    return
+                # Held, a transactional transfer could miss the discharge that follows it
+                # on another link: it is refused instead.
+                exc = AddressFullError(
+                    f"{exc}; a transactional send is refused, not held",
+                    address=exc.address,
+                    blocking=False,
+                )
             if pre_settled:
                 # Nothing to reject: the client gave up on the outcome; end the link instead.
                 link.condition = condition_for(exc)
@@ -917,9 +940,30 @@ class AmqpConnection(asyncio.Protocol):
             delivery.settle()
         self._top_up(producer)
 
+    def _park(self, producer: _Producer, delivery: Delivery, payload: bytes, address: str) -> None:
+        """Policy BLOCK: the transfer waits, unsettled, with every later one of its link,
+        until ``address`` has room; the link gets no more credit meanwhile, so the producer
+        stops once it has used what it had (as Artemis gives no credit to a full address)."""
+        log.debug(
+            "amqp client %s: link %r held until %s has room", self.peer, producer.link.name, address
+        )
+        producer.parked.append((delivery, payload))
+        producer.room = self.core.wait_for_room(address)
+        producer.room.add_done_callback(partial(self._unpark, producer))
+
+    def _unpark(self, producer: _Producer, future: asyncio.Future[None]) -> None:
+        producer.room = None
+        if self._closed or future.cancelled() or producer.link not in self._links:
+            return
+        parked, producer.parked = producer.parked, deque()
+        for delivery, payload in parked:
+            self._on_transfer(producer, delivery, payload)  # may park again: the rest follow
+        self._top_up(producer)
+        self._process()
+
     def _top_up(self, producer: _Producer) -> None:
         link = producer.link
-        if link not in self._links:
+        if link not in self._links or producer.parked:
             return
         if link.credit + producer.inflight <= PRODUCER_CREDIT // 2:
             link.flow(PRODUCER_CREDIT - link.credit - producer.inflight)

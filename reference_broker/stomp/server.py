@@ -66,7 +66,7 @@ from hafailover.protocols.stomp.frame import (
     parse_heart_beat,
 )
 from reference_broker.core import BrokerCore
-from reference_broker.engine import AckMode, Delivery
+from reference_broker.engine import AckMode, AddressFullError, Delivery
 from reference_broker.message import BrokerError, InvalidRequestError
 
 __all__ = ["StompConnection", "StompSession", "serve_stomp", "stomp_destination"]
@@ -83,6 +83,8 @@ H_TTL: Final = "hafailover-ttl"
 H_LAST_RECEIVED: Final = "hafailover-last-received"
 H_TOPOLOGY: Final = "hafailover-topology"
 CONFIRM_PREFIX: Final = "hafailover-confirm:"
+# On an ERROR frame: the broker error's code (reference_broker.message.BrokerError.code).
+CODE_HEADER: Final = "hafailover-code"
 
 # Headers the broker interprets on SEND; everything else travels with the message.
 _SEND_CONTROL: Final = frozenset(
@@ -216,6 +218,8 @@ class StompConnection(asyncio.Protocol):
         self._login: asyncio.Task[None] | None = None  # the CONNECT's password check
         self._early: deque[Frame] | None = None  # frames that came during it
         self._early_bytes = 0
+        self._held: deque[Frame] | None = None  # frames behind a SEND held for a full address
+        self._room: asyncio.Future[None] | None = None  # what the held SEND waits for
 
     # --- asyncio callbacks -----------------------------------------------------------------
 
@@ -264,6 +268,8 @@ class StompConnection(asyncio.Protocol):
             self._connect_timer.cancel()
         if self._login is not None:
             self._login.cancel()
+        if self._room is not None:
+            self._room.cancel()
         session = self.session
         if session is None or session.connection is not self:
             return
@@ -295,6 +301,9 @@ class StompConnection(asyncio.Protocol):
         frame = event
         command = frame.command
         session = self.session
+        if self._held is not None:
+            self._held.append(frame)  # behind a SEND held for a full address, in order
+            return
         if self._early is not None:
             self._early_bytes += len(frame.body) + sum(len(n) + len(v) for n, v in frame.headers)
             if len(self._early) >= _MAX_EARLY_FRAMES or self._early_bytes > _MAX_EARLY_BYTES:
@@ -331,6 +340,12 @@ class StompConnection(asyncio.Protocol):
         try:
             handler = self._HANDLERS[command]
             handler(self, frame, session)
+        except AddressFullError as exc:
+            if exc.blocking:
+                session.received -= 1  # not taken yet: handled again once there is room
+                self._hold(frame, exc.address)
+                return
+            self._refuse(exc, receipt=frame.get("receipt"))
         except BrokerError as exc:
             self._error(str(exc), receipt=frame.get("receipt"))
             return
@@ -345,6 +360,46 @@ class StompConnection(asyncio.Protocol):
                 self._send_receipt(
                     f"{CONFIRM_PREFIX}{session.received}", durable=False, window=True
                 )
+
+    # --- a full address (reference_broker.engine.AddressLimit) ------------------------------
+
+    def _refuse(self, error: AddressFullError, *, receipt: str | None) -> None:
+        """Policy FAIL: an ERROR frame that names the address and its limit, in its place
+        among the receipts; the connection stays (as Artemis's STOMP does for a send it
+        refuses), so the client raises it from that send and goes on, with no failover."""
+        text = str(error)
+        headers = [("message", text), (CODE_HEADER, error.code), ("content-type", "text/plain")]
+        if receipt is not None:
+            headers.append(("receipt-id", receipt))
+        log.debug("stomp client %s: %s", self.peer, text)
+        data = encode(Frame("ERROR", tuple(headers), text.encode()), version=self.version)
+        if self._receipts:
+            self._receipts.append((None, data))
+        else:
+            self._write(data)
+
+    def _hold(self, frame: Frame, address: str) -> None:
+        """Policy BLOCK: the SEND waits, and every frame after it, until ``address`` has
+        room; the socket is not read meanwhile, so the client's writes (and its receipts)
+        wait too: back-pressure, as Artemis gives a producer no credit."""
+        self._held = deque([frame])
+        if self.transport is not None:
+            self.transport.pause_reading()
+        log.debug("stomp client %s: held until %s has room", self.peer, address)
+        self._room = self.core.wait_for_room(address)
+        self._room.add_done_callback(self._unhold)
+
+    def _unhold(self, future: asyncio.Future[None]) -> None:
+        self._room = None
+        if self._closing or future.cancelled():
+            return
+        held, self._held = self._held, None
+        for frame in held or ():
+            if self._closing:
+                return
+            self._handle_event(frame)  # may hold again: the rest then waits behind it
+        if self._held is None and self.transport is not None:
+            self.transport.resume_reading()
 
     def _on_connect(self, frame: Frame) -> None:
         accepted = frame.get("accept-version")
@@ -860,6 +915,8 @@ class StompConnection(asyncio.Protocol):
             if send_every and now - last_sent >= send_every * 0.9:
                 self._write(b"\n")
                 last_sent = now
+            if self._held is not None:
+                self._last_received = now  # not read while held: its silence is ours
             if expect_every and now - self._last_received > expect_every * 2:
                 log.info("stomp client %s silent past its heart-beat: closing", self.peer)
                 self._close()

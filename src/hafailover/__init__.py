@@ -10,6 +10,7 @@ from hafailover.core.report import FailoverReport, SessionFailover
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     AcknowledgeFailedError,
+    AddressFullError,
     BrowserInvalidatedError,
     CallTimeoutError,
     ConfigurationError,
@@ -71,6 +72,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AckMode",
     "AcknowledgeFailedError",
+    "AddressFullError",
     "BrokerAddress",
     "Browser",
     "BrowserInvalidatedError",

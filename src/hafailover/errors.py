@@ -20,6 +20,7 @@ from typing import ClassVar
 
 __all__ = [
     "AcknowledgeFailedError",
+    "AddressFullError",
     "BrowserInvalidatedError",
     "CallTimeoutError",
     "ConfigurationError",
@@ -69,6 +70,8 @@ class ErrorCode(enum.Enum):
     ILLEGAL_STATE = "ILLEGAL_STATE"
     CLOSED = "CLOSED"
     MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+    # The broker refused a send: its address holds as much as its limit allows.
+    ADDRESS_FULL = "ADDRESS_FULL"
 
 
 class HaFailoverError(Exception):
@@ -224,3 +227,13 @@ class ProtocolError(RemoteError):
     code = ErrorCode.PROTOCOL
     # STOMP: the receipt id of the frame the broker refused, when it asked for one.
     receipt_id: str | None = None
+
+
+class AddressFullError(ProtocolError):
+    """The broker refused a send because its address is full (an address-full policy FAIL:
+    the bundled pair's --max-address-bytes/--max-address-messages, Artemis's
+    max-size-bytes). Nothing was stored; the connection goes on, so the application may
+    retry later, send elsewhere, or slow down. A broker with policy BLOCK holds the
+    producer instead: its call waits, up to call_timeout."""
+
+    code = ErrorCode.ADDRESS_FULL

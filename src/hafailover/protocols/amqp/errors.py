@@ -13,8 +13,10 @@ import proton
 from proton import Condition, Delivery
 
 from hafailover.errors import (
+    AddressFullError,
     CallTimeoutError,
     ConfigurationError,
+    ErrorCode,
     HaFailoverError,
     NotConnectedError,
     ProtocolError,
@@ -107,6 +109,22 @@ def refusal(condition: Condition | None, broker: str) -> RemoteError:
     return NotConnectedError(f"cannot connect to {broker}: {condition_text(condition)}")
 
 
+# The condition a broker rejects a send with when its address is full (Artemis, the bundled
+# pair), and the code the bundled pair puts in its info when that is the reason.
+RESOURCE_LIMIT_EXCEEDED: Final = "amqp:resource-limit-exceeded"
+_CODE_KEY: Final = proton.symbol("hafailover-code")
+
+
+def _address_full(condition: Condition | None) -> bool:
+    """A rejection for a full address: amqp:resource-limit-exceeded, unless the bundled pair's
+    code says another limit (a full disk) was the reason."""
+    if condition is None or condition.name != RESOURCE_LIMIT_EXCEEDED:
+        return False
+    info = condition.info if isinstance(condition.info, dict) else {}
+    code = info.get(_CODE_KEY)
+    return code is None or code == ErrorCode.ADDRESS_FULL.value
+
+
 def outcome_error(state: int, delivery: Delivery, what: str) -> ProtocolError | None:
     """None for accepted; otherwise an error naming the outcome and the broker's reason."""
     if state == ACCEPTED:
@@ -114,7 +132,10 @@ def outcome_error(state: int, delivery: Delivery, what: str) -> ProtocolError | 
     name = OUTCOME_NAMES.get(state, f"state {state:#x}")
     detail = ""
     if state == REJECTED:
-        detail = f": {condition_text(delivery.remote.condition)}"
+        condition = delivery.remote.condition
+        detail = f": {condition_text(condition)}"
+        if _address_full(condition):
+            return AddressFullError(f"{what}: the broker {name} the message{detail}")
     elif state == MODIFIED:
         remote = delivery.remote
         detail = f" (delivery-failed={remote.failed}, undeliverable-here={remote.undeliverable})"

@@ -34,7 +34,13 @@ import stomp
 import stomp.exception
 
 from hafailover.destination import Destination, DestinationKind, parse_destination
-from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
+from hafailover.errors import (
+    AddressFullError,
+    ErrorCode,
+    NotConnectedError,
+    ProtocolError,
+    SecurityError,
+)
 from hafailover.message import Message, PropertyValue, stamps_duplicate_id
 from hafailover.protocols.base import Opened, TlsOptions, detects_duplicates, parse_topology
 from hafailover.protocols.outbox import Chunk, Outbox
@@ -55,6 +61,8 @@ __all__ = [
 
 DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
 CONFIRM_PREFIX: Final = "hafailover-confirm:"
+# On an ERROR frame from the bundled pair: the broker error's code (ADDRESS_FULL, ...).
+CODE_HEADER: Final = "hafailover-code"
 # Headers the broker or this adapter interpret; the rest are the message's properties.
 _RESERVED: Final = frozenset(
     {
@@ -248,7 +256,8 @@ class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
 
     def on_error(self, frame: Any) -> None:
         message = frame.headers.get("message", "") or str(frame.body)
-        self._transport._failed(message, frame.headers.get("receipt-id"))
+        code = frame.headers.get(CODE_HEADER)
+        self._transport._failed(message, frame.headers.get("receipt-id"), code)
 
     def on_disconnected(self) -> None:
         self._transport._lost("connection closed")
@@ -468,12 +477,15 @@ class StompTransport:
         self._connected_headers = headers
         self._opened.set()
 
-    def _failed(self, message: str, receipt_id: str | None = None) -> None:
+    def _failed(self, message: str, receipt_id: str | None = None, code: str | None = None) -> None:
         if not self._opened.is_set():
             self._error = message
             self._opened.set()
             return
-        error = ProtocolError(f"{self._broker_text()}: {message}")
+        # A full address refuses one send and keeps the connection (the bundled pair, as
+        # Artemis): its own error, not a failover.
+        kind = AddressFullError if code == ErrorCode.ADDRESS_FULL.value else ProtocolError
+        error = kind(f"{self._broker_text()}: {message}")
         error.receipt_id = receipt_id  # the frame that caused it, when it asked for a receipt
         self.events.on_error(error)
 
