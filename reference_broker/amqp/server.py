@@ -909,8 +909,9 @@ class AmqpConnection(asyncio.Protocol):
                     return
                 # Held, a transactional transfer could miss the discharge that follows it
                 # on another link: it is refused instead.
+                refused = str(exc).replace(" held: ", " refused: ", 1)
                 exc = AddressFullError(
-                    f"{exc}; a transactional send is refused, not held",
+                    f"{refused}; on AMQP a transactional send is refused, not held",
                     address=exc.address,
                     blocking=False,
                 )
