@@ -85,6 +85,17 @@ is a duplicate already stored (that writes nothing), and a commit holding persis
 rolled back and raises it. Everything else (acknowledgements, settlements, rollbacks,
 non-persistent sends) goes on: those records are what the journal's reserve is for.
 
+Address limits. Each address counts what its queues hold against its `AddressLimit` (bytes:
+a message's body and headers plus MESSAGE_OVERHEAD; messages), per queue entry, from the
+send (a transaction's sends are counted at their send and given back when it ends; its
+commit then counts what it routes) until the entry is acknowledged, dead-lettered, expired
+or deleted with its queue. A send to an address that holds its limit or more raises
+AddressFullError (after the duplicate check: a retry of a stored message writes nothing);
+under policy BLOCK the error says so, and the server holds the producer until
+`drain_freed()` names the address: one that refused a send and has room again. Nothing
+else is ever refused for a limit (dead-lettering, redelivery, a commit). Recovery counts
+what it rebuilds, so a node that takes over is as full as the one it replaces.
+
 Recovery. `Engine.recover(records)` rebuilds durable queues, their persistent messages in
 order with their delivery counts, the dead-letter queue and the duplicate-id caches, applying
 committed transactions only. The journal does not record deliveries, so every recovered

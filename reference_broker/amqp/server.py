@@ -50,6 +50,12 @@ announces half of it in the Open, so a client sends a frame at least every heart
 seconds, and one silent for two is closed (amqp:resource-limit-exceeded). proton's
 ``tick`` gives the next deadline, kept with ``loop.call_at``.
 
+A full address (engine.AddressLimit): policy FAIL rejects the transfer with
+amqp:resource-limit-exceeded; policy BLOCK holds it, and every later transfer of its link,
+unsettled, and gives the link no more credit until the address has room (a transactional
+transfer is refused instead). A transfer over the size limit is read and dropped as it
+comes, then rejected with amqp:link:message-size-exceeded; the link stays.
+
 Flow control: deliveries never exceed link credit, and while the socket's write buffer
 is above its high-water mark (``pause_writing``) the connection's consumers are paused in
 the engine. A slow reader therefore costs at most one loop turn's dispatch (bounded by the

@@ -29,6 +29,11 @@ Rules this module enforces:
   dropped and still acknowledged with its receipt (DESIGN F13). As on Artemis, the header
   stays with the message and is delivered with it: it is the one id of the message that
   is the same on every node (``message-id`` is the node's).
+- A full address (engine.AddressLimit): policy FAIL answers the SEND with an ERROR frame
+  that names the address and its limit, carries the SEND's receipt-id and
+  ``hafailover-code: ADDRESS_FULL``, and keeps the connection (as Artemis does; STOMP 1.2
+  would close it); policy BLOCK holds that SEND and every frame after it, and stops reading
+  the socket, until the address has room.
 - Flow control: a client-acknowledge subscription holds at most its prefetch (1000 unless
   it asks otherwise), and a slow reader pauses its consumers while the socket's buffer is
   full. Known limit: an ``ack:auto`` subscription is settled as it is dispatched, so

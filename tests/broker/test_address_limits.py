@@ -26,6 +26,7 @@ from reference_broker.engine import (
 from reference_broker.engine import (
     AddressFullError as EngineAddressFull,
 )
+from reference_broker.node import build_parser, config_from_args
 from reference_broker.pair import BrokerPair
 from reference_broker.records import decode
 from tests.broker.stomp_wire import WireClient
@@ -262,3 +263,47 @@ def test_block_is_bounded_by_the_clients_call_timeout(
         with pytest.raises(CallTimeoutError):
             producer.send(b"held", persistent=True)
         assert time.monotonic() - started < 15
+
+
+# --- the node's options ------------------------------------------------------------------------
+
+BASE = ["--node-id", "n", "--role", "live", "--data-dir", "d", "--pair-dir", "p"]
+PORTS = ["--stomp-port", "1", "--amqp-port", "2", "--replication-port", "3"]
+
+
+def test_the_limit_options_reach_the_node_config_with_their_defaults() -> None:
+    config = config_from_args(build_parser().parse_args([*BASE, *PORTS]))
+    assert config.address_limit == AddressLimit(1024**3, 0, AddressFullPolicy.FAIL)
+    assert config.address_limits == ()
+    options = [
+        "--max-address-bytes=0",
+        "--max-address-messages=100",
+        "--address-full-policy=block",
+        "--address-limit=queue://orders=1048576,0,FAIL",
+        "--address-limit=topic://prices=0,10",
+    ]
+    config = config_from_args(build_parser().parse_args([*BASE, *PORTS, *options]))
+    assert config.address_limit == AddressLimit(0, 100, AddressFullPolicy.BLOCK)
+    assert dict(config.address_limits) == {
+        "queue://orders": AddressLimit(1048576, 0, AddressFullPolicy.FAIL),
+        "topic://prices": AddressLimit(0, 10, AddressFullPolicy.BLOCK),
+    }
+
+
+@pytest.mark.parametrize(
+    ("option", "words"),
+    [
+        ("--max-address-bytes=-1", "must be 0 (no limit) or more"),
+        ("--address-full-policy=PAGE", "not FAIL or BLOCK"),
+        ("--address-limit=orders=1,2", "ADDRESS=BYTES,MESSAGES[,POLICY]"),
+        ("--address-limit=queue://orders=1", "ADDRESS=BYTES,MESSAGES[,POLICY]"),
+        ("--address-limit=queue://orders=1,x", "not a whole number"),
+    ],
+)
+def test_a_bad_limit_option_is_refused_by_name(
+    option: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*BASE, *PORTS, option])
+    error = capsys.readouterr().err
+    assert option.split("=")[0] in error and words in error, error
