@@ -36,9 +36,9 @@ Rules this module enforces:
   the socket, until the address has room.
 - Flow control: a client-acknowledge subscription holds at most its prefetch (1000 unless
   it asks otherwise), and a slow reader pauses its consumers while the socket's buffer is
-  full. Known limit: an ``ack:auto`` subscription is settled as it is dispatched, so
-  everything queued when it subscribes can be handed to one slow reader in a single turn
-  (and is lost if it then disconnects, as ``ack:auto`` allows).
+  full. An ``ack:auto`` subscription is settled as it is dispatched, so what one dispatch
+  turn handed it (at most ``EngineConfig.dispatch_per_poll``) is lost if it then
+  disconnects, as ``ack:auto`` allows.
 
 It never touches the journal or the replication link: durability is the core's business.
 """
