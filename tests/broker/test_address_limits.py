@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from proton import Delivery, Endpoint, Message
 
 import hafailover
 from hafailover import AckMode, AddressFullError, CallTimeoutError, FailoverNotice
@@ -29,7 +30,9 @@ from reference_broker.engine import (
 from reference_broker.node import build_parser, config_from_args
 from reference_broker.pair import BrokerPair
 from reference_broker.records import decode
+from reference_broker.users import UsersFile
 from tests.broker.stomp_wire import WireClient
+from tests.broker.test_amqp_server import InProcessBroker, RawClient
 from tests.integration.support import url_for
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
@@ -127,6 +130,67 @@ def test_recovery_counts_what_it_rebuilds() -> None:
     assert recovered.address_usage(Q) == engine.address_usage(Q)
     with pytest.raises(EngineAddressFull):
         recovered.send(Q, b"3", persistent=True)
+
+
+# --- the servers, in this process ----------------------------------------------------------
+
+
+@pytest.fixture
+def blocking(tmp_path: Path) -> Iterator[InProcessBroker]:
+    """BLOCK at one message per address."""
+    users = UsersFile()
+    users.add("admin", "admin")
+    limit = AddressLimit(max_bytes=0, max_messages=1, policy=AddressFullPolicy.BLOCK)
+    broker = InProcessBroker(
+        tmp_path, users, heartbeat=5.0, engine_config=EngineConfig(address_limit=limit)
+    )
+    yield broker
+    broker.close()
+
+
+def test_stomp_block_holds_the_send_and_every_frame_after_it_in_order(
+    blocking: InProcessBroker,
+) -> None:
+    producer = WireClient(blocking.stomp_port)
+    consumer = WireClient(blocking.stomp_port)
+    try:
+        assert producer.connect().command == "CONNECTED"
+        producer.send("SEND", {"destination": "/queue/b", "receipt": "r1"}, b"1")
+        assert producer.receive(5).get("receipt-id") == "r1"
+        producer.send("SEND", {"destination": "/queue/b", "receipt": "r2"}, b"2")  # held
+        producer.send("SEND", {"destination": "/queue/other", "receipt": "r3"}, b"3")
+        with pytest.raises(TimeoutError):
+            producer.receive(1.0)  # neither: the second waits behind the first
+        assert consumer.connect().command == "CONNECTED"
+        consumer.send("SUBSCRIBE", {"id": "s", "destination": "/queue/b", "ack": "client"})
+        first = consumer.receive(5)
+        assert first.body == b"1"
+        consumer.send("ACK", {"id": first.get("ack") or ""})
+        assert [producer.receive(5).get("receipt-id") for _ in range(2)] == ["r2", "r3"]
+        assert consumer.receive(5).body == b"2"
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_amqp_block_refuses_a_transactional_transfer_rather_than_hold_it(
+    blocking: InProcessBroker,
+) -> None:
+    client = RawClient(blocking.port)
+    try:
+        client.pump(lambda: bool(client.connection.state & Endpoint.REMOTE_ACTIVE))
+        sender = client.sender("queue://tx")
+        assert client.settled(client.send(sender, Message(body="1"))).remote_state == (
+            Delivery.ACCEPTED
+        )
+        txn_id = client.declare(client.coordinator())
+        refused = client.settled(client.send(sender, Message(body="2"), txn_id=txn_id))
+        assert refused.remote_state == Delivery.REJECTED
+        condition = refused.remote.condition
+        assert condition is not None and condition.name == "amqp:resource-limit-exceeded"
+        assert "a transactional send is refused, not held" in str(condition.description)
+    finally:
+        client.close()
 
 
 # --- the real pair -----------------------------------------------------------------------------
