@@ -745,6 +745,7 @@ class Engine:
         self._refusal: str | None = None  # why new persistent messages are refused, if they are
         self._usages: dict[str, _Usage] = {}  # address -> what its queues hold
         self._freed: list[str] = []  # full addresses that refused a send and now have room
+        self._ever_expiring = False  # a message with an expiration entered a queue
 
     @property
     def config(self) -> EngineConfig:
@@ -1072,6 +1073,8 @@ class Engine:
             dq = queue.level(message.priority)
         entry = _Entry(message, seq, 0, False)
         dq.append(entry)
+        if message.expiration is not None:
+            self._ever_expiring = True
         queue.held_bytes += entry.size
         usage = queue.usage
         usage.bytes += entry.size
@@ -1324,6 +1327,11 @@ class Engine:
         """Drop every waiting message expired at `now` (dispatch drops them anyway; this
         frees the memory of queues nobody consumes). Returns how many were dropped."""
         dropped = 0
+        if not self._ever_expiring:
+            # No message with an expiration ever entered: nothing to walk. The server calls
+            # this four times a second, and a walk of a million waiting messages takes the
+            # loop longer than that.
+            return dropped
         for queue in self._queues.values():
             for dq in queue.order:
                 if not any(e.message.is_expired(now) for e in dq):
@@ -1910,6 +1918,8 @@ class _Replay:
                 queue.level(entry.message.priority).append(entry)
             queue.size = len(entries)
             queue.enqueued = len(entries)
+            if any(entry.message.expiration is not None for entry in entries.values()):
+                engine._ever_expiring = True
             held = sum(entry.size for entry in entries.values())
             queue.held_bytes = held
             queue.usage.bytes += held
