@@ -52,14 +52,27 @@ def _pair_up(argv: list[str]) -> int:
     parser.add_argument(
         "--tls-client-auth", action="store_true", help="with --tls: clients must show a certificate"
     )
-    for limit in ("--max-message-size", "--max-connections", "--max-connections-per-user"):
-        parser.add_argument(limit, type=int, help="passed to both nodes (docs/broker.md)")
+    limits = (
+        "max_message_size",
+        "max_connections",
+        "max_connections_per_user",
+        "max_address_bytes",
+        "max_address_messages",
+        "address_full_policy",
+    )
+    for name in limits:
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=str.upper if name == "address_full_policy" else int,
+            help="passed to both nodes (docs/broker.md)",
+        )
+    parser.add_argument("--address-limit", action="append", default=[], help="passed to both nodes")
     args = parser.parse_args(argv)
     node_options = [
         f"--{name.replace('_', '-')}={value}"
-        for name in ("max_message_size", "max_connections", "max_connections_per_user")
+        for name in limits
         if (value := getattr(args, name)) is not None
-    ]
+    ] + [f"--address-limit={value}" for value in args.address_limit]
     if args.tls_client_auth and not args.tls:
         parser.error("--tls-client-auth needs --tls")
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="hafailover-pair-"))

@@ -24,7 +24,7 @@ import attrs
 
 from reference_broker.engine import Delivery, Engine
 from reference_broker.store import Store
-from reference_broker.users import UsersFile
+from reference_broker.users import UsersFile, login_guard
 
 __all__ = ["BrokerCore", "DeliveryTarget", "HeldSession", "ServeConfig"]
 
@@ -69,8 +69,9 @@ class ServeConfig:
     amqp_message_id_duplicates: bool = False
     # The largest message body a client may send on either protocol (--max-message-size).
     max_body_size: int = DEFAULT_MAX_MESSAGE_SIZE
-    # Logged-in client connections the node serves at once, in all and per user (0: no cap);
-    # one more is refused with the cap named (--max-connections, --max-connections-per-user).
+    # Client connections the node serves at once (0: no cap): in all, every accepted socket,
+    # logged in or not; per user, the logged-in ones. One more is refused with the cap
+    # named (--max-connections, --max-connections-per-user).
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_connections_per_user: int = 0
     # Unsettled deliveries a client-acknowledge consumer may hold unless it asks otherwise.
@@ -104,19 +105,43 @@ class BrokerCore:
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
         self._next_session = 0
-        self._admitted: dict[object, str | None] = {}  # connection -> its user
+        self._sockets: set[object] = set()  # accepted client connections, logged in or not
+        self._admitted: dict[object, str | None] = {}  # logged-in connection -> its user
+        self._at_cap = False  # refusing at --max-connections (logged once each time)
+        self.refused_connections = 0
+        self._blocked: dict[str, list[asyncio.Future[None]]] = {}  # address -> held producers
         self._per_user: dict[str | None, int] = {}
 
     # --- connection caps -------------------------------------------------------------------
 
-    def admit(self, connection: object, user: str | None) -> str | None:
-        """Count a logged-in ``connection`` against the caps: None, or why it is refused."""
+    def accept(self, connection: object) -> str | None:
+        """A socket was accepted: count it against --max-connections from now on, logged in
+        or not, so that a flood of sockets that never log in is bounded too. None, or why
+        it is refused (the server says so and closes it)."""
         config = self.config
-        if config.max_connections and len(self._admitted) >= config.max_connections:
+        if config.max_connections and len(self._sockets) >= config.max_connections:
+            self.refused_connections += 1
+            if not self._at_cap:
+                self._at_cap = True
+                log.warning(
+                    "%d client connections (--max-connections): refusing new ones",
+                    config.max_connections,
+                )
             return (
                 f"too many connections: this node serves at most {config.max_connections} "
                 "(--max-connections)"
             )
+        self._sockets.add(connection)
+        return None
+
+    def admit(self, connection: object, user: str | None) -> str | None:
+        """``connection`` logged in as ``user``: count it against the per-user cap. None, or
+        why it is refused."""
+        if connection not in self._sockets:
+            refused = self.accept(connection)  # a connection the listener did not count
+            if refused is not None:
+                return refused
+        config = self.config
         per_user = self._per_user.get(user, 0)
         if config.max_connections_per_user and per_user >= config.max_connections_per_user:
             return (
@@ -128,7 +153,11 @@ class BrokerCore:
         return None
 
     def release(self, connection: object) -> None:
-        """``connection`` ended: it no longer counts (nothing if it was never admitted)."""
+        """``connection`` ended, or is being closed: it no longer counts (nothing if it
+        never did; a second call does nothing)."""
+        self._sockets.discard(connection)
+        if self._at_cap and len(self._sockets) < self.config.max_connections:
+            self._at_cap = False
         if connection not in self._admitted:
             return
         user = self._admitted.pop(connection)
@@ -140,8 +169,9 @@ class BrokerCore:
 
     @property
     def connections(self) -> int:
-        """Logged-in client connections counted against --max-connections."""
-        return len(self._admitted)
+        """Client connections counted against --max-connections: every socket accepted and
+        not yet closed, logged in or not."""
+        return len(self._sockets)
 
     # --- the loop turn ---------------------------------------------------------------------
 
@@ -154,6 +184,7 @@ class BrokerCore:
     def _turn(self) -> None:
         self._kicked = False
         self.dispatch()
+        self._wake_blocked()
         if self.engine.dispatch_pending:
             self.kick()  # the rest after the loop has written (and read) what is due
         records = self.engine.drain_records()
@@ -162,6 +193,23 @@ class BrokerCore:
             # still be looked at, or asyncio reports it as never retrieved.
             future = self.store.persist([r.encode() for r in records])
             future.add_done_callback(_log_failure)
+
+    # --- producers held by a full address (policy BLOCK) ------------------------------------
+
+    def wait_for_room(self, address: str) -> asyncio.Future[None]:
+        """A future that resolves once ``address``, which held a send back, has room again
+        (acknowledgements, expiry or a deletion made it); cancel it to stop waiting."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = [f for f in self._blocked.get(address, ()) if not f.done()]  # drop the ended
+        waiting.append(future)
+        self._blocked[address] = waiting
+        return future
+
+    def _wake_blocked(self) -> None:
+        for address in self.engine.drain_freed():
+            for future in self._blocked.pop(address, ()):
+                if not future.done():
+                    future.set_result(None)
 
     def dispatch(self) -> None:
         targets = self._targets
@@ -187,13 +235,13 @@ class BrokerCore:
 
     # --- security --------------------------------------------------------------------------
 
-    def authenticate(self, user: str | None, password: str | None, peer: str) -> bool:
-        if user is None and password is None and self.config.allow_anonymous:
-            return True
-        if self.users.verify(user, password):
-            return True
-        log.warning("authentication failed for user %r from %s", user, peer)
-        return False
+    async def authenticate(self, user: str | None, password: str | None, peer: str) -> bool:
+        """A client's login, the one path for both protocols: through the node's login guard
+        (reference_broker.users.LoginGuard: off the loop, throttled), anonymous only with
+        allow_anonymous. A refusal is logged there with the user and ``peer``."""
+        return await login_guard(self.users).authenticate(
+            user, password, peer, allow_anonymous=self.config.allow_anonymous
+        )
 
     # --- sessions held for reattach --------------------------------------------------------
 

@@ -85,6 +85,17 @@ is a duplicate already stored (that writes nothing), and a commit holding persis
 rolled back and raises it. Everything else (acknowledgements, settlements, rollbacks,
 non-persistent sends) goes on: those records are what the journal's reserve is for.
 
+Address limits. Each address counts what its queues hold against its `AddressLimit` (bytes:
+a message's body and headers plus MESSAGE_OVERHEAD; messages), per queue entry, from the
+send (a transaction's sends are counted at their send and given back when it ends; its
+commit then counts what it routes) until the entry is acknowledged, dead-lettered, expired
+or deleted with its queue. A send to an address that holds its limit or more raises
+AddressFullError (after the duplicate check: a retry of a stored message writes nothing);
+under policy BLOCK the error says so, and the server holds the producer until
+`drain_freed()` names the address: one that refused a send and has room again. Nothing
+else is ever refused for a limit (dead-lettering, redelivery, a commit). Recovery counts
+what it rebuilds, so a node that takes over is as full as the one it replaces.
+
 Recovery. `Engine.recover(records)` rebuilds durable queues, their persistent messages in
 order with their delivery counts, the dead-letter queue and the duplicate-id caches, applying
 committed transactions only. The journal does not record deliveries, so every recovered
@@ -146,6 +157,9 @@ __all__ = [
     "TEMP_QUEUE_PREFIX",
     "TOPIC_PREFIX",
     "AckMode",
+    "AddressFullError",
+    "AddressFullPolicy",
+    "AddressLimit",
     "Checkpoint",
     "ConsumerInfo",
     "Delivery",
@@ -195,6 +209,20 @@ class DiskFullError(BrokerError):
     code: ClassVar[str] = "DISK_FULL"
 
 
+class AddressFullError(BrokerError):
+    """An address holds as much as its limit allows (`AddressLimit`): the send is refused
+    (policy FAIL), or the server holds the producer until the address has room (BLOCK:
+    `blocking` is True; the engine tells it through `drain_freed`). `address` is the
+    address whose limit was reached (a topic for a subscription's queue)."""
+
+    code: ClassVar[str] = "ADDRESS_FULL"
+
+    def __init__(self, message: str, *, address: str, blocking: bool) -> None:
+        super().__init__(message)
+        self.address = address
+        self.blocking = blocking
+
+
 class UnknownAddressError(NotFoundError):
     code: ClassVar[str] = "ADDRESS_NOT_FOUND"
 
@@ -230,6 +258,40 @@ class Outcome(enum.Enum):
     RELEASED = "released"
     FAILED = "failed"
     REJECTED = "rejected"
+
+
+class AddressFullPolicy(enum.Enum):
+    """What a send to a full address meets (Artemis's address-full-policy, less PAGE and
+    DROP): FAIL refuses it with AddressFullError; BLOCK holds the producer until there is
+    room (the protocol layer's flow control)."""
+
+    FAIL = "FAIL"
+    BLOCK = "BLOCK"
+
+
+# What a message costs an address besides its body and headers: about what the node's memory
+# holds for a stored message beyond them (measured ~450 bytes, docs/broker.md).
+MESSAGE_OVERHEAD: Final = 512
+DEFAULT_MAX_ADDRESS_BYTES: Final = 1024 * 1024 * 1024
+
+
+def _check_limit(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name} must be a whole number >= 0 (0: none), not {value!r}")
+
+
+@attrs.frozen
+class AddressLimit:
+    """How much one address may hold: `max_bytes` (each message counted as its body, its
+    headers and MESSAGE_OVERHEAD) and `max_messages`, 0 for no limit, over every queue of the
+    address (a message in three subscriptions of a topic counts three times), from the
+    moment it is sent (a transaction's sends from their send) until it is acknowledged,
+    dead-lettered, expired or deleted. A send is refused or held once the address holds
+    its limit or more: the message that reaches it goes in."""
+
+    max_bytes: int = attrs.field(default=DEFAULT_MAX_ADDRESS_BYTES, validator=_check_limit)
+    max_messages: int = attrs.field(default=0, validator=_check_limit)
+    policy: AddressFullPolicy = AddressFullPolicy.FAIL
 
 
 def _check_config_dlq(_: object, __: object, value: str | None) -> None:
@@ -300,6 +362,12 @@ class EngineConfig:
     # to stop it, and must not take a whole backlog into memory (and its connection's write
     # buffer) in one loop turn. The rest waits for the next poll; `dispatch_pending` says so.
     dispatch_per_poll: int | None = attrs.field(default=1000, validator=_check_positive_or_none)
+    # How much each address may hold, and per-address exceptions by exact address.
+    address_limit: AddressLimit = AddressLimit()
+    address_limits: Mapping[str, AddressLimit] = attrs.field(factory=dict, hash=False)
+
+    def limit_of(self, address: str) -> AddressLimit:
+        return self.address_limits.get(address, self.address_limit)
 
 
 @attrs.frozen
@@ -424,13 +492,41 @@ def _check_name(name: str, prefix: str | None, what: str) -> str:
 class _Entry:
     """A message's place in one queue: what the queue knows that the message does not."""
 
-    __slots__ = ("delivery_count", "message", "redelivered", "seq")
+    __slots__ = ("delivery_count", "message", "redelivered", "seq", "size")
 
     def __init__(self, message: Message, seq: int, delivery_count: int, redelivered: bool) -> None:
         self.message = message
         self.seq = seq
         self.delivery_count = delivery_count
         self.redelivered = redelivered
+        self.size = _message_size(message)  # what it counts against its address's limit
+
+
+def _message_size(message: Message) -> int:
+    size = len(message.body) + MESSAGE_OVERHEAD
+    for name, value in message.headers.items():
+        size += len(name) + len(value)
+    return size
+
+
+class _Usage:
+    """What the queues of one address hold, against its limit."""
+
+    __slots__ = ("address", "bytes", "limit", "messages", "refused")
+
+    def __init__(self, address: str, limit: AddressLimit) -> None:
+        self.address = address
+        self.limit = limit
+        self.bytes = 0
+        self.messages = 0
+        self.refused = False  # a send was refused or held since it last had room
+
+    def full(self) -> bool:
+        limit = self.limit
+        return bool(
+            (limit.max_bytes and self.bytes >= limit.max_bytes)
+            or (limit.max_messages and self.messages >= limit.max_messages)
+        )
 
 
 _seq_of = attrgetter("seq")
@@ -446,6 +542,7 @@ class _Queue:
         "durable",
         "enqueued",
         "expired",
+        "held_bytes",
         "hold_until",
         "in_flight",
         "levels",
@@ -458,6 +555,7 @@ class _Queue:
         "size",
         "subscriber",
         "temporary",
+        "usage",
     )
 
     def __init__(
@@ -469,6 +567,7 @@ class _Queue:
         temporary: bool = False,
         owner: int | None = None,
         subscriber: int | None = None,
+        usage: _Usage,
     ) -> None:
         self.name = name
         self.address = address
@@ -491,6 +590,8 @@ class _Queue:
         self.acknowledged = 0
         self.dead_lettered = 0
         self.expired = 0
+        self.usage = usage  # its address's, shared by every queue of the address
+        self.held_bytes = 0  # the sizes of its entries, waiting and in flight
 
     def level(self, priority: int) -> deque[_Entry]:
         dq = self.levels.get(priority)
@@ -645,6 +746,9 @@ class Engine:
         self._duplicates_dropped = 0
         self._refusal: str | None = None  # why new persistent messages are refused, if they are
         self._exclusive: set[int] = set()  # consumers alone on their subscription by right
+        self._usages: dict[str, _Usage] = {}  # address -> what its queues hold
+        self._freed: list[str] = []  # full addresses that refused a send and now have room
+        self._ever_expiring = False  # a message with an expiration entered a queue
 
     @property
     def config(self) -> EngineConfig:
@@ -837,6 +941,8 @@ class Engine:
             # After the duplicate check: a retry of a stored message writes nothing, so it is
             # still accepted.
             raise DiskFullError(f"persistent send to {address} refused: {self._refusal}")
+        if targets and targets[0].usage.full():
+            raise self._address_full(address, targets[0].usage)
         message_id = self._next_message_id
         self._next_message_id = message_id + 1
         message = Message(
@@ -849,10 +955,64 @@ class Engine:
             expiration,
         )
         if transaction is not None:
-            transaction.sends.append((message, tuple(targets), duplicate_id))
+            routed = tuple(targets)
+            transaction.sends.append((message, routed, duplicate_id))
+            # Held until the commit, but counted now: a transaction cannot hold more than
+            # the address may.
+            size = _message_size(message)
+            for queue in routed:
+                queue.usage.bytes += size
+                queue.usage.messages += 1
         else:
             self._route(message, targets, duplicate_id, None)
         return message_id
+
+    def _address_full(self, address: str, usage: _Usage) -> AddressFullError:
+        usage.refused = True
+        limit = usage.limit
+        limits = []
+        if limit.max_bytes:
+            limits.append(f"{limit.max_bytes} bytes (--max-address-bytes)")
+        if limit.max_messages:
+            limits.append(f"{limit.max_messages} messages (--max-address-messages)")
+        blocking = limit.policy is AddressFullPolicy.BLOCK
+        return AddressFullError(
+            f"send to {address} {'held' if blocking else 'refused'}: address {usage.address} "
+            f"is full: it holds {usage.messages} messages, {usage.bytes} bytes; its limit is "
+            f"{' or '.join(limits)} (policy {limit.policy.value})",
+            address=usage.address,
+            blocking=blocking,
+        )
+
+    def drain_freed(self) -> list[str]:
+        """Addresses that refused (or held) a send since they last had room and have room
+        now: a server holding producers for them (BLOCK) lets them go on."""
+        freed = self._freed
+        self._freed = []
+        return freed
+
+    def address_usage(self, address: str) -> tuple[int, int]:
+        """(messages, bytes) the queues of `address` hold against its limit."""
+        usage = self._usages.get(address)
+        return (0, 0) if usage is None else (usage.messages, usage.bytes)
+
+    def _usage(self, address: str) -> _Usage:
+        usage = self._usages.get(address)
+        if usage is None:
+            usage = self._usages[address] = _Usage(address, self._config.limit_of(address))
+        return usage
+
+    def _leave(self, queue: _Queue, size: int, count: int = 1) -> None:
+        """Entries of `size` bytes in all left `queue`'s care."""
+        queue.held_bytes -= size
+        self._unreserve(queue.usage, size, count)
+
+    def _unreserve(self, usage: _Usage, size: int, count: int) -> None:
+        usage.bytes -= size
+        usage.messages -= count
+        if usage.refused and not usage.full():
+            usage.refused = False
+            self._freed.append(usage.address)
 
     def _targets(self, address: str) -> tuple[_Queue, ...] | list[_Queue]:
         queue = self._queues.get(address)
@@ -914,7 +1074,14 @@ class Engine:
         dq = queue.levels.get(message.priority)
         if dq is None:
             dq = queue.level(message.priority)
-        dq.append(_Entry(message, seq, 0, False))
+        entry = _Entry(message, seq, 0, False)
+        dq.append(entry)
+        if message.expiration is not None:
+            self._ever_expiring = True
+        queue.held_bytes += entry.size
+        usage = queue.usage
+        usage.bytes += entry.size
+        usage.messages += 1
         queue.size += 1
         queue.enqueued += 1
         if queue.consumers:
@@ -1192,6 +1359,7 @@ class Engine:
             out.append(Delivery(consumer.id, tag, message, entry.delivery_count, entry.redelivered))
             if consumer.auto:
                 queue.acknowledged += 1
+                self._leave(queue, entry.size)
                 if durable and message.persistent:
                     records.append(MessageAck(queue.name, message.id))
             else:
@@ -1215,6 +1383,7 @@ class Engine:
 
     def _expire(self, queue: _Queue, entry: _Entry) -> None:
         queue.expired += 1
+        self._leave(queue, entry.size)
         self._expired += 1
         if queue.durable and entry.message.persistent:
             self._records.append(MessageAck(queue.name, entry.message.id))
@@ -1223,6 +1392,11 @@ class Engine:
         """Drop every waiting message expired at `now` (dispatch drops them anyway; this
         frees the memory of queues nobody consumes). Returns how many were dropped."""
         dropped = 0
+        if not self._ever_expiring:
+            # No message with an expiration ever entered: nothing to walk. The server calls
+            # this four times a second, and a walk of a million waiting messages takes the
+            # loop longer than that.
+            return dropped
         for queue in self._queues.values():
             for dq in queue.order:
                 if not any(e.message.is_expired(now) for e in dq):
@@ -1253,6 +1427,7 @@ class Engine:
                     queue = consumer.queue
                     queue.in_flight -= 1
                     queue.acknowledged += 1
+                    self._leave(queue, entry.size)
                     message = entry.message
                     if queue.durable and message.persistent:
                         self._records.append(MessageAck(queue.name, message.id))
@@ -1308,6 +1483,7 @@ class Engine:
         durable = queue.durable
         if outcome is Outcome.ACCEPTED:
             queue.acknowledged += len(entries)
+            self._leave(queue, sum(e.size for e in entries), len(entries))
             if durable:
                 records.extend(
                     MessageAck(queue.name, e.message.id) for e in entries if e.message.persistent
@@ -1354,6 +1530,7 @@ class Engine:
     def _dead_letter(self, queue: _Queue, entry: _Entry) -> None:
         """Move an entry that left `queue` to the dead-letter queue (or drop it, if none)."""
         queue.dead_lettered += 1
+        self._leave(queue, entry.size)
         self._dead_lettered += 1
         message = entry.message
         dlq_name = self._dlq_name
@@ -1427,6 +1604,7 @@ class Engine:
             if outcome is Outcome.ACCEPTED:
                 queue.in_flight -= 1
                 queue.acknowledged += 1
+                self._leave(queue, entry.size)
                 if queue.durable and entry.message.persistent:
                     records.append(TxAck(tx, queue.name, entry.message.id))
             else:
@@ -1446,6 +1624,10 @@ class Engine:
         self._rollback(transaction)
 
     def _end_transaction(self, transaction: _Transaction) -> None:
+        for message, targets, _ in transaction.sends:
+            size = _message_size(message)
+            for queue in targets:
+                self._unreserve(queue.usage, size, 1)  # a commit counts what it routes
         del self._transactions[transaction.id]
         connection = self._connections[transaction.connection]
         del connection.transactions[transaction.id]
@@ -1500,7 +1682,13 @@ class Engine:
         record: bool = True,
     ) -> _Queue:
         queue = _Queue(
-            name, address, durable=durable, temporary=temporary, owner=owner, subscriber=subscriber
+            name,
+            address,
+            durable=durable,
+            temporary=temporary,
+            owner=owner,
+            subscriber=subscriber,
+            usage=self._usage(address),
         )
         self._queues[name] = queue
         if address != name:
@@ -1517,6 +1705,8 @@ class Engine:
             del self._connections[consumer.connection].consumers[consumer.id]
         queue.consumers.clear()
         queue.deleted = True
+        # Its messages, waiting and in flight, go with it.
+        self._leave(queue, queue.held_bytes, queue.size + queue.in_flight)
         del self._queues[queue.name]
         self._held.pop(queue.name, None)
         self._dirty.discard(queue)
@@ -1527,6 +1717,15 @@ class Engine:
             subscriptions.remove(queue)
             if not subscriptions:
                 del self._topics[queue.address]
+        address = queue.address
+        usage = queue.usage
+        if (
+            not usage.messages
+            and address not in self._queues
+            and address not in self._topics
+            and self._usages.get(address) is usage
+        ):
+            del self._usages[address]  # the last queue of the address: forget it
         if queue.durable:
             self._records.append(QueueDelete(queue.name))
         return closed
@@ -1784,6 +1983,12 @@ class _Replay:
                 queue.level(entry.message.priority).append(entry)
             queue.size = len(entries)
             queue.enqueued = len(entries)
+            if any(entry.message.expiration is not None for entry in entries.values()):
+                engine._ever_expiring = True
+            held = sum(entry.size for entry in entries.values())
+            queue.held_bytes = held
+            queue.usage.bytes += held
+            queue.usage.messages += len(entries)
         engine._next_seq = seq
         engine._records.clear()
         return engine

@@ -81,6 +81,10 @@ from reference_broker.core import (
 from reference_broker.engine import (
     DEFAULT_DUPLICATE_ID_MAX_BYTES,
     DEFAULT_DUPLICATE_ID_RETENTION,
+    DEFAULT_MAX_ADDRESS_BYTES,
+    MESSAGE_OVERHEAD,
+    AddressFullPolicy,
+    AddressLimit,
     Engine,
     EngineConfig,
 )
@@ -166,7 +170,8 @@ class NodeConfig:
     amqp_message_id_duplicates: bool = False
     # The largest message body a client may send (STOMP and AMQP); larger ones are refused.
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
-    # Logged-in client connections served at once, in all and per user (0: no cap).
+    # Client connections served at once, every accepted socket in all and the logged-in ones
+    # per user (0: no cap).
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_connections_per_user: int = 0
     max_connection_ttl: float = 300.0
@@ -183,6 +188,10 @@ class NodeConfig:
     # to the dead-letter queue (0: never); both nodes must agree, as the pair's options do.
     max_delivery_attempts: int = 10
     dead_letter_queue: str = "queue://DLQ"
+    # What each address may hold, and what a send to a full one meets (engine.AddressLimit);
+    # address_limits: exceptions for single addresses.
+    address_limit: AddressLimit = attrs.field(factory=AddressLimit)
+    address_limits: tuple[tuple[str, AddressLimit], ...] = ()
 
     @property
     def timing(self) -> Timing:
@@ -917,6 +926,8 @@ class Node:
                     duplicate_id_max_bytes=config.duplicate_id_max_bytes,
                     max_delivery_attempts=config.max_delivery_attempts or None,
                     dead_letter_queue=config.dead_letter_queue,
+                    address_limit=config.address_limit,
+                    address_limits=dict(config.address_limits),
                 ),
             )
         )
@@ -1345,7 +1356,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections",
         type=_cap,
         default=DEFAULT_MAX_CONNECTIONS,
-        help="logged-in client connections served at once, both protocols together "
+        help="client connections served at once, both protocols together, logged in or not "
         f"(default: {DEFAULT_MAX_CONNECTIONS}; 0: no cap)",
     )
     p.add_argument(
@@ -1354,8 +1365,59 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="logged-in client connections one user may hold at once (default 0: no cap)",
     )
+    p.add_argument(
+        "--max-address-bytes",
+        type=_limit,
+        default=DEFAULT_MAX_ADDRESS_BYTES,
+        help="the most one address may hold, in bytes: each message counted as its body and "
+        f"headers plus {MESSAGE_OVERHEAD} (default: 1 GiB; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-address-messages",
+        type=_limit,
+        default=0,
+        help="the most messages one address may hold (default 0: no limit)",
+    )
+    p.add_argument(
+        "--address-full-policy",
+        type=_policy,
+        default=AddressFullPolicy.FAIL,
+        help="what a send to a full address meets: FAIL (refused with the address and its "
+        "limit named; the default) or BLOCK (the producer waits until there is room)",
+    )
+    p.add_argument(
+        "--address-limit",
+        type=_address_limit,
+        action="append",
+        default=[],
+        metavar="ADDRESS=BYTES,MESSAGES[,POLICY]",
+        help="another limit for one address, e.g. queue://orders=1048576,0,BLOCK (0: no "
+        "limit; without POLICY, --address-full-policy's); may be given more than once",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def _limit(text: str) -> int:
+    return _count(text, "0 (no limit)")
+
+
+def _policy(text: str) -> AddressFullPolicy:
+    try:
+        return AddressFullPolicy(text.upper())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not FAIL or BLOCK: {text!r}") from None
+
+
+def _address_limit(text: str) -> tuple[str, int, int, AddressFullPolicy | None]:
+    address, sep, rest = text.rpartition("=")
+    fields = rest.split(",")
+    if not sep or not address.startswith(("queue://", "topic://")) or len(fields) not in (2, 3):
+        raise argparse.ArgumentTypeError(
+            f"not ADDRESS=BYTES,MESSAGES[,POLICY] with a queue:// or topic:// address: {text!r}"
+        )
+    policy = _policy(fields[2]) if len(fields) == 3 else None
+    return address, _limit(fields[0]), _limit(fields[1]), policy
 
 
 def _count(text: str, zero: str = "0") -> int:
@@ -1436,6 +1498,13 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         duplicate_id_max_bytes=args.duplicate_id_max_bytes,
         max_delivery_attempts=args.max_delivery_attempts,
         dead_letter_queue=args.dead_letter_queue,
+        address_limit=AddressLimit(
+            args.max_address_bytes, args.max_address_messages, args.address_full_policy
+        ),
+        address_limits=tuple(
+            (address, AddressLimit(size, count, policy or args.address_full_policy))
+            for address, size, count, policy in args.address_limit
+        ),
     )
 
 

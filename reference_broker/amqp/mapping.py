@@ -50,6 +50,7 @@ from reference_broker.engine import (
     QUEUE_PREFIX,
     TEMP_QUEUE_PREFIX,
     TOPIC_PREFIX,
+    AddressFullError,
     DiskFullError,
     UnknownTransactionError,
 )
@@ -331,6 +332,7 @@ _CONDITIONS: Final[tuple[tuple[type[BrokerError], str], ...]] = (
     (NotFoundError, "amqp:not-found"),
     (ResourceLockedError, "amqp:resource-locked"),
     (DiskFullError, "amqp:resource-limit-exceeded"),  # as Artemis says "address full"
+    (AddressFullError, "amqp:resource-limit-exceeded"),
     (InvalidRequestError, "amqp:invalid-field"),
 )
 CODE_KEY: Final = symbol("hafailover-code")

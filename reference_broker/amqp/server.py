@@ -55,6 +55,12 @@ announces half of it in the Open, so a client sends a frame at least every heart
 seconds, and one silent for two is closed (amqp:resource-limit-exceeded). proton's
 ``tick`` gives the next deadline, kept with ``loop.call_at``.
 
+A full address (engine.AddressLimit): policy FAIL rejects the transfer with
+amqp:resource-limit-exceeded; policy BLOCK holds it, and every later transfer of its link,
+unsettled, and gives the link no more credit until the address has room (a transactional
+transfer is refused instead). A transfer over the size limit is read and dropped as it
+comes, then rejected with amqp:link:message-size-exceeded; the link stays.
+
 Flow control: deliveries never exceed link credit, and while the socket's write buffer
 is above its high-water mark (``pause_writing``) the connection's consumers are paused in
 the engine. A slow reader therefore costs at most one loop turn's dispatch (bounded by the
@@ -113,6 +119,7 @@ from reference_broker.amqp.sasl import (
 from reference_broker.core import BrokerCore
 from reference_broker.engine import (
     AckMode,
+    AddressFullError,
     Outcome,
     UnknownAddressError,
     UnknownDeliveryError,
@@ -121,7 +128,6 @@ from reference_broker.engine import (
 from reference_broker.engine import Delivery as EngineDelivery
 from reference_broker.message import BrokerError, InvalidRequestError, NotFoundError
 from reference_broker.message import Message as EngineMessage
-from reference_broker.users import login_guard
 
 __all__ = [
     "PRODUCER_CREDIT",
@@ -178,10 +184,14 @@ _CLOSE_GRACE: Final = 2.0
 class _Producer:
     """A client's sender link: the broker receives."""
 
-    __slots__ = ("address", "inflight", "link", "temp_queue")
+    __slots__ = ("address", "inflight", "link", "oversized", "parked", "room", "temp_queue")
 
     def __init__(self, link: Link, address: str | None, temp_queue: str | None) -> None:
         self.link = link
+        self.oversized = False  # the transfer arriving is over the size limit: dropped
+        # Transfers held for a full address (policy BLOCK), in order, and what they wait for.
+        self.parked: deque[tuple[Delivery, bytes]] = deque()
+        self.room: asyncio.Future[None] | None = None
         self.address = address  # None: anonymous relay
         self.temp_queue = temp_queue
         self.inflight = 0  # transfers received, not yet confirmed
@@ -289,6 +299,7 @@ class AmqpConnection(asyncio.Protocol):
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         self._login: asyncio.Task[None] | None = None  # the SASL password check
+        self._over_cap = False  # accepted over --max-connections: refused at its Open
 
     # --- asyncio callbacks -----------------------------------------------------------------
 
@@ -298,8 +309,17 @@ class AmqpConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        timeout = self.handshake_timeout
+        refused = self.core.accept(self)
+        if refused is not None:
+            # Over --max-connections: the client hears why through the usual steps (SASL
+            # accepted without a check, then an Open and a Close that name the cap), and
+            # only has _CLOSE_GRACE to get there; no password is derived for it.
+            self._over_cap = True
+            self._refusal = ("amqp:resource-limit-exceeded", refused)
+            timeout = min(timeout, _CLOSE_GRACE)
         self._handshake_timer = asyncio.get_running_loop().call_later(
-            self.handshake_timeout, self._handshake_expired
+            timeout, self._handshake_expired
         )
 
     def data_received(self, data: bytes) -> None:
@@ -332,6 +352,9 @@ class AmqpConnection(asyncio.Protocol):
         if self._login is not None:
             self._login.cancel()
         self._end_engine_connection()
+        for state in self._links.values():
+            if isinstance(state, _Producer) and state.room is not None:
+                state.room.cancel()
         self._links.clear()
         self._unconfirmed.clear()
         if self._proton is not None:
@@ -374,7 +397,7 @@ class AmqpConnection(asyncio.Protocol):
                 # No SASL: only a broker that allows anonymous clients lets it in; any other
                 # gets an Open and a Close that says why, which clients report clearly.
                 self._sasl = None
-                if not self.core.config.allow_anonymous:
+                if not self.core.config.allow_anonymous and self._refusal is None:
                     log.info("amqp client %s skipped SASL: refused", self.peer)
                     self._refusal = (
                         "amqp:unauthorized-access",
@@ -383,6 +406,9 @@ class AmqpConnection(asyncio.Protocol):
                 self._start_amqp(event.data)
 
     def _authenticate(self, sasl: SaslServer, init: SaslInitReceived) -> None:
+        if self._over_cap:
+            self._sasl_verdict(sasl, None, ok=True)  # refused at its Open, with the reason
+            return
         user: str | None = None
         password: str | None = None
         if init.mechanism == "PLAIN":
@@ -408,9 +434,7 @@ class AmqpConnection(asyncio.Protocol):
         self._login = asyncio.get_running_loop().create_task(self._log_in(sasl, user, password))
 
     async def _log_in(self, sasl: SaslServer, user: str | None, password: str | None) -> None:
-        ok = await login_guard(self.core.users).authenticate(
-            user, password, self.peer, allow_anonymous=self.core.config.allow_anonymous
-        )
+        ok = await self.core.authenticate(user, password, self.peer)
         if not self._closed and self._sasl is sasl:
             self._sasl_verdict(sasl, user if ok else None, ok=ok)
 
@@ -548,6 +572,7 @@ class AmqpConnection(asyncio.Protocol):
             if refused is not None:
                 self._refusal = ("amqp:resource-limit-exceeded", refused)
         if self._refusal is not None:
+            self.core.release(self)  # closing: it no longer holds a place under the caps
             name, text = self._refusal
             connection.open()
             connection.condition = Condition(name, text)
@@ -725,6 +750,8 @@ class AmqpConnection(asyncio.Protocol):
         """
         state = self._links.pop(link, None)
         engine = self.core.engine
+        if isinstance(state, _Producer) and state.room is not None:
+            state.room.cancel()  # its held transfers go with it, never taken
         if isinstance(state, _Consumer):
             self._consumers.pop(state.consumer_id, None)
             self._draining.discard(state.consumer_id)
@@ -800,7 +827,9 @@ class AmqpConnection(asyncio.Protocol):
             if delivery.updated:
                 self._on_disposition(state, delivery)
         elif isinstance(state, _Producer | _Coordinator):
-            payload = self._read_transfer(link, delivery)
+            payload = self._read_transfer(
+                link, delivery, state if isinstance(state, _Producer) else None
+            )
             if payload is None:
                 return
             if isinstance(state, _Producer):
@@ -810,26 +839,65 @@ class AmqpConnection(asyncio.Protocol):
         elif isinstance(state, _Browser):
             if delivery.updated and not delivery.settled:
                 delivery.settle()
-        elif link.is_receiver and delivery.readable and not delivery.partial:
-            # A transfer on a link already ended: drop it.
-            link.recv(delivery.pending)
+        elif link.is_receiver:
+            self._discard(link, delivery)
+
+    @staticmethod
+    def _discard(link: Link, delivery: Delivery, *, reject: Condition | None = None) -> None:
+        """Read and drop a transfer's bytes as they come (one refused for its size, or on a
+        link already ended), so that they are never held; once it is whole, settle it,
+        rejected with ``reject`` when given."""
+        if delivery.aborted:
             link.advance()
             delivery.settle()
+            return
+        if delivery.readable and delivery.pending:
+            link.recv(delivery.pending)
+        if not delivery.partial:
+            link.advance()
+            if reject is not None and not delivery.settled:
+                delivery.local.condition = reject
+                delivery.update(Delivery.REJECTED)
+            delivery.settle()
 
-    def _read_transfer(self, link: Link, delivery: Delivery) -> bytes | None:
-        """The whole payload of a transfer once it has arrived; None until then."""
+    def _read_transfer(
+        self, link: Link, delivery: Delivery, producer: _Producer | None
+    ) -> bytes | None:
+        """The whole payload of a transfer once it has arrived; None until then.
+
+        A transfer over the size limit is read and dropped as it comes, never held, and then
+        rejected with amqp:link:message-size-exceeded: the link stays, so the client goes on
+        on it (or closes it and reopens one of the same name). Ending the link instead made
+        a client that reopened at once fail: proton writes the new link's attach before the
+        old one's detach, and the broker's proton refuses "link name already attached". A
+        pre-settled transfer has no outcome to carry the refusal: its link is ended.
+        """
         if delivery.aborted:
+            if producer is not None:
+                producer.oversized = False
             delivery.settle()
             link.advance()
             return None
         if not delivery.readable:
             return None
         limit = self.core.config.max_body_size + _MESSAGE_OVERHEAD
+        if producer is not None and producer.oversized:
+            self._discard(link, delivery, reject=self._size_condition(limit))
+            if not delivery.partial:
+                producer.oversized = False
+                self._top_up(producer)
+            return None
         if delivery.pending > limit:
-            link.condition = Condition(
-                "amqp:link:message-size-exceeded", f"messages are limited to {limit} bytes"
-            )
-            self._end_link(link, closed=True)
+            if producer is None or delivery.settled:
+                link.condition = self._size_condition(limit)
+                self._end_link(link, closed=True)
+                self._discard(link, delivery)
+                return None
+            log.info("amqp client %s: a transfer over %d bytes refused", self.peer, limit)
+            producer.oversized = delivery.partial
+            self._discard(link, delivery, reject=self._size_condition(limit))
+            if not delivery.partial:
+                self._top_up(producer)
             return None
         if delivery.partial:
             return None
@@ -837,7 +905,17 @@ class AmqpConnection(asyncio.Protocol):
         link.advance()
         return payload
 
+    def _size_condition(self, limit: int) -> Condition:
+        return Condition(
+            "amqp:link:message-size-exceeded",
+            f"messages are limited to {limit} bytes (a body of --max-message-size "
+            f"{self.core.config.max_body_size} and {_MESSAGE_OVERHEAD} for the other sections)",
+        )
+
     def _on_transfer(self, producer: _Producer, delivery: Delivery, payload: bytes) -> None:
+        if producer.parked:
+            producer.parked.append((delivery, payload))  # behind one held for a full address
+            return
         link = producer.link
         pre_settled = delivery.settled
         tx: int | None = None
@@ -866,6 +944,18 @@ class AmqpConnection(asyncio.Protocol):
                 tx=tx,
             )
         except BrokerError as exc:
+            if isinstance(exc, AddressFullError) and exc.blocking:
+                if tx is None:
+                    self._park(producer, delivery, payload, exc.address)
+                    return
+                # Held, a transactional transfer could miss the discharge that follows it
+                # on another link: it is refused instead.
+                refused = str(exc).replace(" held: ", " refused: ", 1)
+                exc = AddressFullError(
+                    f"{refused}; on AMQP a transactional send is refused, not held",
+                    address=exc.address,
+                    blocking=False,
+                )
             if pre_settled:
                 # Nothing to reject: the client gave up on the outcome; end the link instead.
                 link.condition = condition_for(exc)
@@ -892,9 +982,30 @@ class AmqpConnection(asyncio.Protocol):
             delivery.settle()
         self._top_up(producer)
 
+    def _park(self, producer: _Producer, delivery: Delivery, payload: bytes, address: str) -> None:
+        """Policy BLOCK: the transfer waits, unsettled, with every later one of its link,
+        until ``address`` has room; the link gets no more credit meanwhile, so the producer
+        stops once it has used what it had (as Artemis gives no credit to a full address)."""
+        log.debug(
+            "amqp client %s: link %r held until %s has room", self.peer, producer.link.name, address
+        )
+        producer.parked.append((delivery, payload))
+        producer.room = self.core.wait_for_room(address)
+        producer.room.add_done_callback(partial(self._unpark, producer))
+
+    def _unpark(self, producer: _Producer, future: asyncio.Future[None]) -> None:
+        producer.room = None
+        if self._closed or future.cancelled() or producer.link not in self._links:
+            return
+        parked, producer.parked = producer.parked, deque()
+        for delivery, payload in parked:
+            self._on_transfer(producer, delivery, payload)  # may park again: the rest follow
+        self._top_up(producer)
+        self._process()
+
     def _top_up(self, producer: _Producer) -> None:
         link = producer.link
-        if link not in self._links:
+        if link not in self._links or producer.parked:
             return
         if link.credit + producer.inflight <= PRODUCER_CREDIT // 2:
             link.flow(PRODUCER_CREDIT - link.credit - producer.inflight)
@@ -1107,6 +1218,7 @@ class AmqpConnection(asyncio.Protocol):
             return
         log.info("amqp client %s: closing the connection: %s: %s", self.peer, name, text)
         self._failed = True
+        self.core.release(self)
         self._end_engine_connection()
         if not connection.state & Endpoint.LOCAL_CLOSED:
             connection.condition = Condition(name, text)
@@ -1138,6 +1250,7 @@ class AmqpConnection(asyncio.Protocol):
             self.transport.write(data)
 
     def _close_socket(self) -> None:
+        self.core.release(self)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

@@ -29,11 +29,16 @@ Rules this module enforces:
   dropped and still acknowledged with its receipt (DESIGN F13). As on Artemis, the header
   stays with the message and is delivered with it: it is the one id of the message that
   is the same on every node (``message-id`` is the node's).
+- A full address (engine.AddressLimit): policy FAIL answers the SEND with an ERROR frame
+  that names the address and its limit, carries the SEND's receipt-id and
+  ``hafailover-code: ADDRESS_FULL``, and keeps the connection (as Artemis does; STOMP 1.2
+  would close it); policy BLOCK holds that SEND and every frame after it, and stops reading
+  the socket, until the address has room.
 - Flow control: a client-acknowledge subscription holds at most its prefetch (1000 unless
   it asks otherwise), and a slow reader pauses its consumers while the socket's buffer is
-  full. Known limit: an ``ack:auto`` subscription is settled as it is dispatched, so
-  everything queued when it subscribes can be handed to one slow reader in a single turn
-  (and is lost if it then disconnects, as ``ack:auto`` allows).
+  full. An ``ack:auto`` subscription is settled as it is dispatched, so what one dispatch
+  turn handed it (at most ``EngineConfig.dispatch_per_poll``) is lost if it then
+  disconnects, as ``ack:auto`` allows.
 - JMS subscriptions on a topic: ``durable-subscription-name`` (or
   ``activemq.subscriptionName``) names a durable subscription, ``shared-subscription-name``
   a shared one that is not durable, and ``hafailover-exclusive: true`` makes the consumer
@@ -73,9 +78,8 @@ from hafailover.protocols.stomp.frame import (
     parse_heart_beat,
 )
 from reference_broker.core import BrokerCore
-from reference_broker.engine import AckMode, Delivery, Outcome
+from reference_broker.engine import AckMode, AddressFullError, Delivery, Outcome
 from reference_broker.message import BrokerError, InvalidRequestError
-from reference_broker.users import login_guard
 
 __all__ = ["StompConnection", "StompSession", "serve_stomp", "stomp_destination"]
 
@@ -91,6 +95,8 @@ H_TTL: Final = "hafailover-ttl"
 H_LAST_RECEIVED: Final = "hafailover-last-received"
 H_TOPOLOGY: Final = "hafailover-topology"
 CONFIRM_PREFIX: Final = "hafailover-confirm:"
+# On an ERROR frame: the broker error's code (reference_broker.message.BrokerError.code).
+CODE_HEADER: Final = "hafailover-code"
 
 # Headers the broker interprets on SEND; everything else travels with the message.
 _SEND_CONTROL: Final = frozenset(
@@ -224,6 +230,8 @@ class StompConnection(asyncio.Protocol):
         self._login: asyncio.Task[None] | None = None  # the CONNECT's password check
         self._early: deque[Frame] | None = None  # frames that came during it
         self._early_bytes = 0
+        self._held: deque[Frame] | None = None  # frames behind a SEND held for a full address
+        self._room: asyncio.Future[None] | None = None  # what the held SEND waits for
 
     # --- asyncio callbacks -----------------------------------------------------------------
 
@@ -233,6 +241,14 @@ class StompConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        refused = self.core.accept(self)
+        if refused is not None:
+            # Said and closed at once, before any frame is read: a flood of sockets costs
+            # the node one write each, and no log line each (the core logs the cap once).
+            self._closing = True
+            self._write(encode(Frame("ERROR", (("message", refused),), refused.encode())))
+            transport.close()
+            return
         self._connect_timer = asyncio.get_running_loop().call_later(30, self._connect_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -264,6 +280,8 @@ class StompConnection(asyncio.Protocol):
             self._connect_timer.cancel()
         if self._login is not None:
             self._login.cancel()
+        if self._room is not None:
+            self._room.cancel()
         session = self.session
         if session is None or session.connection is not self:
             return
@@ -295,6 +313,9 @@ class StompConnection(asyncio.Protocol):
         frame = event
         command = frame.command
         session = self.session
+        if self._held is not None:
+            self._held.append(frame)  # behind a SEND held for a full address, in order
+            return
         if self._early is not None:
             self._early_bytes += len(frame.body) + sum(len(n) + len(v) for n, v in frame.headers)
             if len(self._early) >= _MAX_EARLY_FRAMES or self._early_bytes > _MAX_EARLY_BYTES:
@@ -331,9 +352,15 @@ class StompConnection(asyncio.Protocol):
         try:
             handler = self._HANDLERS[command]
             handler(self, frame, session)
+        except AddressFullError as exc:
+            if exc.blocking:
+                session.received -= 1  # not taken yet: handled again once there is room
+                self._hold(frame, exc.address)
+                return
+            self._refuse(exc, receipt=frame.get("receipt"))
         except BrokerError as exc:
             # The engine's code (DISK_FULL, ...) lets a client tell the refusal apart.
-            self._error(str(exc), receipt=frame.get("receipt"), extra=(("code", exc.code),))
+            self._error(str(exc), receipt=frame.get("receipt"), extra=((CODE_HEADER, exc.code),))
             return
         except StompProtocolError as exc:
             self._error(exc.message, receipt=frame.get("receipt"))
@@ -346,6 +373,46 @@ class StompConnection(asyncio.Protocol):
                 self._send_receipt(
                     f"{CONFIRM_PREFIX}{session.received}", durable=False, window=True
                 )
+
+    # --- a full address (reference_broker.engine.AddressLimit) ------------------------------
+
+    def _refuse(self, error: AddressFullError, *, receipt: str | None) -> None:
+        """Policy FAIL: an ERROR frame that names the address and its limit, in its place
+        among the receipts; the connection stays (as Artemis's STOMP does for a send it
+        refuses), so the client raises it from that send and goes on, with no failover."""
+        text = str(error)
+        headers = [("message", text), (CODE_HEADER, error.code), ("content-type", "text/plain")]
+        if receipt is not None:
+            headers.append(("receipt-id", receipt))
+        log.debug("stomp client %s: %s", self.peer, text)
+        data = encode(Frame("ERROR", tuple(headers), text.encode()), version=self.version)
+        if self._receipts:
+            self._receipts.append((None, data))
+        else:
+            self._write(data)
+
+    def _hold(self, frame: Frame, address: str) -> None:
+        """Policy BLOCK: the SEND waits, and every frame after it, until ``address`` has
+        room; the socket is not read meanwhile, so the client's writes (and its receipts)
+        wait too: back-pressure, as Artemis gives a producer no credit."""
+        self._held = deque([frame])
+        if self.transport is not None:
+            self.transport.pause_reading()
+        log.debug("stomp client %s: held until %s has room", self.peer, address)
+        self._room = self.core.wait_for_room(address)
+        self._room.add_done_callback(self._unhold)
+
+    def _unhold(self, future: asyncio.Future[None]) -> None:
+        self._room = None
+        if self._closing or future.cancelled():
+            return
+        held, self._held = self._held, None
+        for frame in held or ():
+            if self._closing:
+                return
+            self._handle_event(frame)  # may hold again: the rest then waits behind it
+        if self._held is None and self.transport is not None:
+            self.transport.resume_reading()
 
     def _on_connect(self, frame: Frame) -> None:
         accepted = frame.get("accept-version")
@@ -365,9 +432,7 @@ class StompConnection(asyncio.Protocol):
 
     async def _log_in(self, frame: Frame, version: str) -> None:
         user, passcode = frame.get("login"), frame.get("passcode")
-        ok = await login_guard(self.core.users).authenticate(
-            user, passcode, self.peer, allow_anonymous=self.core.config.allow_anonymous
-        )
+        ok = await self.core.authenticate(user, passcode, self.peer)
         if self._closing:
             return
         if not ok:
@@ -867,6 +932,7 @@ class StompConnection(asyncio.Protocol):
 
     def _close(self) -> None:
         self._closing = True
+        self.core.release(self)  # closing: it no longer holds a place under the caps
         if self.transport is not None:
             self.transport.close()
 
@@ -883,6 +949,8 @@ class StompConnection(asyncio.Protocol):
             if send_every and now - last_sent >= send_every * 0.9:
                 self._write(b"\n")
                 last_sent = now
+            if self._held is not None:
+                self._last_received = now  # not read while held: its silence is ours
             if expect_every and now - self._last_received > expect_every * 2:
                 log.info("stomp client %s silent past its heart-beat: closing", self.peer)
                 self._close()

@@ -10,6 +10,7 @@ from hafailover.core.report import FailoverReport, SessionFailover
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     AcknowledgeFailedError,
+    AddressFullError,
     BrokerResourceError,
     BrowserInvalidatedError,
     CallTimeoutError,
@@ -72,6 +73,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AckMode",
     "AcknowledgeFailedError",
+    "AddressFullError",
     "BrokerAddress",
     "BrokerResourceError",
     "Browser",

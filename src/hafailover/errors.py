@@ -20,6 +20,7 @@ from typing import ClassVar
 
 __all__ = [
     "AcknowledgeFailedError",
+    "AddressFullError",
     "BrokerResourceError",
     "BrowserInvalidatedError",
     "CallTimeoutError",
@@ -73,6 +74,8 @@ class ErrorCode(enum.Enum):
     # The broker refused a request for lack of a resource: its disk is full (as Artemis's
     # ADDRESS_FULL, but for any resource the broker names).
     RESOURCE_LIMIT = "RESOURCE_LIMIT"
+    # The broker refused a send: its address holds as much as its limit allows.
+    ADDRESS_FULL = "ADDRESS_FULL"
 
 
 class HaFailoverError(Exception):
@@ -235,9 +238,19 @@ class BrokerResourceError(ProtocolError):
     nothing of it; the same request may succeed once the broker has room again.
 
     Raised for AMQP's ``amqp:resource-limit-exceeded`` (a rejected send, a refused link) and
-    for a STOMP ERROR frame whose ``code`` header says ``DISK_FULL`` (the bundled broker's; a
-    STOMP ERROR also ends the connection, which fails over as usual). A ProtocolError, so
-    code that caught the broker's refusal as one still does.
+    for a STOMP ERROR frame whose ``hafailover-code`` header says ``DISK_FULL`` (the bundled
+    broker's; that STOMP ERROR also ends the connection, which fails over as usual). A
+    ProtocolError, so code that caught the broker's refusal as one still does.
     """
 
     code = ErrorCode.RESOURCE_LIMIT
+
+
+class AddressFullError(BrokerResourceError):
+    """The broker refused a send because its address is full (an address-full policy FAIL:
+    the bundled pair's --max-address-bytes/--max-address-messages, Artemis's
+    max-size-bytes). Nothing was stored; the connection goes on, so the application may
+    retry later, send elsewhere, or slow down. A broker with policy BLOCK holds the
+    producer instead: its call waits, up to call_timeout."""
+
+    code = ErrorCode.ADDRESS_FULL

@@ -72,9 +72,17 @@ TOPOLOGY = ("127.0.0.1:5672", "127.0.0.1:5673")
 class InProcessBroker:
     """A BrokerCore and an AMQP listener on a loop thread; the journal survives restarts."""
 
-    def __init__(self, data_dir: Path, users: UsersFile, **config: Any) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        users: UsersFile,
+        *,
+        engine_config: EngineConfig | None = None,
+        **config: Any,
+    ) -> None:
         self.data_dir = data_dir
         self.users = users
+        self.engine_config = engine_config or EngineConfig(node_id="live")
         self.config = ServeConfig(node_id="live", topology={"amqp": TOPOLOGY}, **config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -102,7 +110,7 @@ class InProcessBroker:
             Journal.open, self.data_dir / "journal", sync=SyncPolicy.never()
         )
         engine = Engine.recover(
-            (decode(r.type, r.payload) for r in journal.replay()), EngineConfig(node_id="live")
+            (decode(r.type, r.payload) for r in journal.replay()), self.engine_config
         )
         self.store = Store(journal)
         self.core = BrokerCore(engine, self.store, self.users, self.config)

@@ -1,22 +1,26 @@
 """Connection caps (--max-connections, --max-connections-per-user): one over is refused with
 the cap named, on STOMP (ERROR) and AMQP (close with amqp:resource-limit-exceeded); the
-connections already in are unaffected, and a closed one frees its place."""
+connections already in are unaffected, and a closed one frees its place. --max-connections
+counts every accepted socket, logged in or not."""
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from proton import ConnectionException
 
-from reference_broker.users import UsersFile
+from reference_broker.users import UsersFile, login_guard
 from tests.broker.stomp_wire import WireClient
 from tests.broker.test_amqp_server import InProcessBroker
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
+
+AT_MOST_3 = "too many connections: this node serves at most 3 (--max-connections)"
 
 
 @pytest.fixture
@@ -94,3 +98,48 @@ def test_the_caps_count_nothing_for_a_failed_login(capped: InProcessBroker) -> N
     assert [answer for _, answer in ok] == ["CONNECTED", "CONNECTED"]
     for c, _ in ok:
         c.close()
+
+
+def test_sockets_that_never_log_in_count_against_the_cap(capped: InProcessBroker) -> None:
+    """A flood of sockets that never log in fills --max-connections and no more: one over is
+    refused at once with the cap named, on either protocol, without a password check; a
+    closed one frees its place."""
+    flood = [socket.create_connection(("127.0.0.1", port)) for port in (capped.port,) * 3]
+    try:
+        wait_for(lambda: capped.call(lambda: capped.core.connections) == 3, "the flood counted")
+        late, answer = stomp_client(capped, "admin", "admin")
+        assert (
+            answer == "ERROR too many connections: this node serves at most 3 (--max-connections)"
+        )
+        assert late.closed()
+        with pytest.raises(ConnectionException, match="amqp:resource-limit-exceeded") as raised:
+            capped.connect().close()
+        assert "at most 3 (--max-connections)" in str(raised.value)
+        # More sockets over the cap are closed, and are not counted.
+        extra = socket.create_connection(("127.0.0.1", capped.stomp_port))
+        with extra:
+            extra.settimeout(10)
+            assert b"too many connections" in extra.recv(4096)
+            assert extra.recv(4096) == b""
+        assert capped.call(lambda: capped.core.connections) == 3
+        assert capped.call(lambda: capped.core.refused_connections) == 3
+        assert login_derivations(capped) == 0
+    finally:
+        flood.pop().close()
+    wait_for(lambda: capped.call(lambda: capped.core.connections) == 2, "a place freed")
+    c, answer = stomp_client(capped, "admin", "admin")
+    assert answer == "CONNECTED"
+    c.close()
+    for s in flood:
+        s.close()
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def login_derivations(broker: InProcessBroker) -> int:
+    return broker.call(lambda: login_guard(broker.users).derivations)

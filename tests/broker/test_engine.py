@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 )
 
 from reference_broker.engine import (
+    MESSAGE_OVERHEAD,
     AckMode,
     Delivery,
     Engine,
@@ -1723,6 +1724,25 @@ class EngineMachine(RuleBasedStateMachine):
         for cid, consumer in self.consumers.items():
             info = self.engine.consumer_info(cid)
             assert (info.unacked, info.credit) == (len(consumer.unacked), consumer.credit)
+
+    @invariant()
+    def each_address_counts_what_its_queues_and_open_transactions_hold(self) -> None:
+        """Against --max-address-bytes/-messages: a message counts from its send (in a
+        transaction too) until it is acknowledged, dead-lettered, expired or deleted."""
+        if not hasattr(self, "engine"):
+            return
+        expected: dict[str, list[int]] = {q.address: [0, 0] for q in self.queues.values()}
+        held = [(q, e) for q in self.queues.values() for e in self._stored(q)]
+        held += [(q, e) for tx in self.txs.values() for e, qs, _, _ in tx.sends for q in qs]
+        for queue, entry in held:
+            counted = expected.setdefault(queue.address, [0, 0])
+            counted[0] += 1
+            counted[1] += len(entry.body) + MESSAGE_OVERHEAD
+        for address, (messages, size) in expected.items():
+            usage = self.engine.address_usage(address)
+            assert usage[0] == messages, (address, usage, messages)
+            if address != DLQ:  # a dead-lettered copy carries headers the model does not
+                assert usage[1] == size, (address, usage, size)
 
     @invariant()
     def every_message_is_somewhere_or_finished(self) -> None:

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from proton import Endpoint, Link
 
 from hafailover.protocols.stomp.frame import Frame, Heartbeat
 from reference_broker.pair import BrokerPair, NodeProcess
 from tests.broker.stomp_wire import WireClient
+from tests.broker.test_amqp_server import RawClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
 
@@ -35,7 +37,11 @@ def rss(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    with BrokerPair(tmp_path_factory.mktemp("slow") / "pair", start_backup=False) as pair:
+    # Idle timeouts long enough for the raw AMQP client, which keeps nothing alive while it
+    # decodes 80 MB on a busy machine.
+    with BrokerPair(
+        tmp_path_factory.mktemp("slow") / "pair", start_backup=False, heartbeat_timeout=10.0
+    ) as pair:
         yield pair.live
 
 
@@ -83,3 +89,55 @@ def test_a_subscriber_that_does_not_read_holds_the_broker_at_its_high_water_mark
         assert seen == COUNT + 1
     finally:
         reader.close()
+
+
+def test_an_amqp_receiver_that_does_not_read_holds_the_broker_at_its_high_water_mark(
+    live: NodeProcess,
+) -> None:
+    """AMQP: a receiver that granted credit for everything and then reads nothing (its link
+    pre-settled, so no window stops the broker either) is held at the same mark."""
+    address = f"queue://slow-amqp-{uuid.uuid4().hex[:8]}"
+    fill(live, "/queue/" + address.removeprefix("queue://"))
+    time.sleep(0.5)
+    before = rss(live.pid)
+    client = RawClient(live.amqp_port)
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    try:
+        client.pump(lambda: bool(client.connection.state & Endpoint.REMOTE_ACTIVE))
+        receiver = client.session.receiver(f"slow-{uuid.uuid4()}")
+        receiver.source.address = address
+        receiver.snd_settle_mode = Link.SND_SETTLED
+        client.open_link(receiver)
+        receiver.flow(COUNT + 1)
+        client.pump(lambda: True)  # the flow frame goes out; then nothing is read
+        # Long enough for the broker, without the pause, to write far past the bound
+        # (AMQP deliveries cost it more than STOMP's).
+        peak = before
+        for _ in range(80):
+            time.sleep(0.1)
+            peak = max(peak, rss(live.pid))
+            # It still writes its keep-alives, or the broker would end it for silence.
+            client.transport.tick(time.monotonic())
+            client._write()
+        grown = peak - before
+        print(f"slow AMQP receiver: broker RSS grew {grown / MiB:.1f} MiB over {before / MiB:.0f}")
+        assert grown <= GROWTH_BOUND, f"broker RSS grew {grown / MiB:.1f} MiB"
+        # Then it reads: every message comes, in order, none lost.
+        client.pump(lambda: len(client.received.get(receiver, ())) > COUNT, timeout=120)
+        bodies = [message.body for _, message in client.received[receiver]]
+        assert bodies[-1] == b"last"
+        assert bodies[:-1] == [str(n).encode().ljust(BODY, b".") for n in range(COUNT)]
+    finally:
+        client.close()
+
+
+def fill(live: NodeProcess, destination: str) -> None:
+    """COUNT numbered messages of BODY bytes, then b"last", waiting in ``destination``."""
+    producer = WireClient(live.stomp_port, timeout=60)
+    assert producer.connect().command == "CONNECTED"
+    for n in range(COUNT):
+        body = str(n).encode().ljust(BODY, b".")
+        producer.send("SEND", {"destination": destination}, body)
+    producer.send("SEND", {"destination": destination, "receipt": "all"}, b"last")
+    assert producer.receive(60).get("receipt-id") == "all"
+    producer.close()

@@ -13,9 +13,11 @@ import proton
 from proton import Condition, Delivery
 
 from hafailover.errors import (
+    AddressFullError,
     BrokerResourceError,
     CallTimeoutError,
     ConfigurationError,
+    ErrorCode,
     HaFailoverError,
     NotConnectedError,
     ProtocolError,
@@ -114,6 +116,21 @@ def refusal(condition: Condition | None, broker: str) -> RemoteError:
     return NotConnectedError(f"cannot connect to {broker}: {condition_text(condition)}")
 
 
+# The code the bundled pair puts in a refusal's info: which limit it was (a full address, a
+# full disk); Artemis rejects a send to a full address with RESOURCE_LIMIT_EXCEEDED alone.
+_CODE_KEY: Final = proton.symbol("hafailover-code")
+
+
+def _address_full(condition: Condition | None) -> bool:
+    """A rejection for a full address: amqp:resource-limit-exceeded, unless the bundled pair's
+    code says another limit (a full disk) was the reason."""
+    if condition is None or condition.name != RESOURCE_LIMIT_EXCEEDED:
+        return False
+    info = condition.info if isinstance(condition.info, dict) else {}
+    code = info.get(_CODE_KEY)
+    return code is None or code == ErrorCode.ADDRESS_FULL.value
+
+
 def outcome_error(state: int, delivery: Delivery, what: str) -> ProtocolError | None:
     """None for accepted; otherwise an error naming the outcome and the broker's reason."""
     if state == ACCEPTED:
@@ -123,6 +140,8 @@ def outcome_error(state: int, delivery: Delivery, what: str) -> ProtocolError | 
     if state == REJECTED:
         condition = delivery.remote.condition
         detail = f": {condition_text(condition)}"
+        if _address_full(condition):
+            return AddressFullError(f"{what}: the broker {name} the message{detail}")
         if condition is not None and condition.name == RESOURCE_LIMIT_EXCEEDED:
             return BrokerResourceError(f"{what}: the broker {name} the message{detail}")
     elif state == MODIFIED:

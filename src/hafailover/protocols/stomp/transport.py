@@ -35,7 +35,9 @@ import stomp.exception
 
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
+    AddressFullError,
     BrokerResourceError,
+    ErrorCode,
     NotConnectedError,
     ProtocolError,
     SecurityError,
@@ -60,6 +62,8 @@ __all__ = [
 
 DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
 CONFIRM_PREFIX: Final = "hafailover-confirm:"
+# On an ERROR frame from the bundled pair: the broker error's code (ADDRESS_FULL, ...).
+CODE_HEADER: Final = "hafailover-code"
 # Headers the broker or this adapter interpret; the rest are the message's properties.
 _RESERVED: Final = frozenset(
     {
@@ -253,7 +257,8 @@ class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
 
     def on_error(self, frame: Any) -> None:
         message = frame.headers.get("message", "") or str(frame.body)
-        self._transport._failed(message, frame.headers.get("receipt-id"), frame.headers.get("code"))
+        code = frame.headers.get(CODE_HEADER)
+        self._transport._failed(message, frame.headers.get("receipt-id"), code)
 
     def on_disconnected(self) -> None:
         self._transport._lost("connection closed")
@@ -262,13 +267,16 @@ class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
         self._transport._lost("heart-beat timeout")
 
 
-# ERROR frames whose ``code`` header says the broker lacks a resource (the bundled broker's
-# engine codes); any other ERROR is a ProtocolError.
+# ERROR frames whose ``hafailover-code`` header says the broker lacks a resource (the bundled
+# broker's engine codes); any other ERROR is a ProtocolError.
 _RESOURCE_CODES: Final = frozenset({"DISK_FULL"})
 
 
 def error_frame_error(text: str, code: str | None) -> ProtocolError:
-    """The error an ERROR frame becomes (its ``code`` header, when it has one, decides)."""
+    """The error an ERROR frame becomes (its ``hafailover-code`` header, when it has one,
+    decides)."""
+    if code == ErrorCode.ADDRESS_FULL.value:
+        return AddressFullError(text)
     if code in _RESOURCE_CODES:
         return BrokerResourceError(f"{text} (code {code})")
     return ProtocolError(text)
@@ -495,6 +503,8 @@ class StompTransport:
             self._error = message
             self._opened.set()
             return
+        # A full address refuses one send and keeps the connection (the bundled pair, as
+        # Artemis): its own error, not a failover. Other codes: error_frame_error.
         error = error_frame_error(f"{self._broker_text()}: {message}", code)
         error.receipt_id = receipt_id  # the frame that caused it, when it asked for a receipt
         self.events.on_error(error)
