@@ -38,6 +38,7 @@ from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
 from hafailover.errors import (
     AcknowledgeFailedError,
+    CallTimeoutError,
     ConfigurationError,
     ConnectionClosedError,
     ErrorCode,
@@ -468,23 +469,15 @@ class Session(Transactions):
             except HaFailoverError as exc:
                 self._ack_failed(completion, exc, last=last)
 
-    def _ack_timed_out(self, completion: SendCompletion) -> None:
-        """The asyncio bridge waited the call timeout for ``completion``, the acknowledge
-        F6 needed confirmed first: what a blocking receive would do then (nothing if that
-        acknowledge is no longer the one to wait for, or while failing over)."""
-        connection = self.connection
-        with connection._cond:
-            if (
-                self._ack_blocking() is not completion
-                or completion.done()
-                or not connection._admits()
-            ):
+    def _ack_timed_out(self, completion: SendCompletion, exc: CallTimeoutError) -> None:
+        """A caller that does not block waited for ``completion``, the acknowledge F6
+        needed confirmed first, until its budget ran out (``exc``): what a blocking receive
+        does then (nothing if that acknowledge is no longer the one to wait for)."""
+        with self.connection._cond:
+            if self._ack_blocking() is not completion or completion.done():
                 return
             last = self._claim_ack(completion)
-        try:
-            completion.result(0)
-        except HaFailoverError as exc:
-            self._ack_failed(completion, exc, last=last)
+        self._ack_failed(completion, exc, last=last)
 
     def _claim_ack(self, completion: SendCompletion) -> bool:
         """Under the lock: ``completion`` is about to be waited on and its outcome reported
