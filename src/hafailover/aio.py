@@ -144,14 +144,14 @@ class AsyncConnection:
         self.sync = connection  # the threaded connection underneath
         self.loop = loop
         self._workers = workers
-        self._exception_listener = exception_listener
+        self._on_exception = exception_listener
         self._streams: list[asyncio.Queue[AsyncEvent | None]] = []
         # Tasks between their first look at the driver and the end of their wait (read by
         # the driver's threads), and the futures of those waiting for the driver to change.
         self._watching = 0
         self._change_waiters: list[asyncio.Future[None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._closed = False
+        self._shut = False
         self._queued: collections.deque[tuple[Callable[..., object], tuple[object, ...]]] = (
             collections.deque()
         )
@@ -224,11 +224,11 @@ class AsyncConnection:
             stream.put_nowait(event)
         if isinstance(event, FailoverCompleted):
             # Confirmations awaited across the failover: ask the new link for them.
-            self._ask_for_receipt()
+            self._ask_receipt()
         self._wake_waiters()  # the connection is back, or gone: waiting calls look again
 
     def _tell_listener(self, error: HaFailoverError) -> None:
-        listener = self._exception_listener
+        listener = self._on_exception
         if listener is None:
             return
         try:
@@ -238,7 +238,7 @@ class AsyncConnection:
         except Exception:
             log.exception("an exception listener raised (ignored)")
 
-    def _ask_for_receipt(self) -> None:
+    def _ask_receipt(self) -> None:
         """Someone awaits a confirmation: ask the broker for one if no written frame has."""
         nonblocking.ask_for_receipt(self.sync)
 
@@ -264,7 +264,7 @@ class AsyncConnection:
             if expiry is not None:
                 expiry.cancel()
 
-    async def _served(self, wait: Wait[SendCompletion], deadline: float | None = None) -> None:
+    async def _on_loop(self, wait: Wait[SendCompletion], deadline: float | None = None) -> None:
         """Serve ``wait`` on the loop with the driver's one waiter (its call_timeout and
         call_failover_timeout, as a blocking call waits). A ``deadline`` (loop time: the
         caller's own timeout) replaces both, and ends the wait with TimeoutError."""
@@ -298,7 +298,7 @@ class AsyncConnection:
         """The message ``completion`` sent, once the broker confirmed it, waiting as
         ``completion.result()`` does; raises what it failed with."""
         if not completion.done():
-            await self._served(nonblocking.completion_wait(self.sync, completion))
+            await self._on_loop(nonblocking.completion_wait(self.sync, completion))
         return _outcome(completion)
 
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
@@ -320,7 +320,7 @@ class AsyncConnection:
                         await self._next_change(remaining)
                         continue
                     try:
-                        await self._served(blocked.wait, deadline)
+                        await self._on_loop(blocked.wait, deadline)
                     except CallTimeoutError as exc:
                         if blocked.timed_out is None:
                             raise
@@ -391,9 +391,9 @@ class AsyncConnection:
 
     async def close(self) -> None:
         """Close every session and the connection; waiting calls are released at once."""
-        if self._closed:
+        if self._shut:
             return
-        self._closed = True
+        self._shut = True
         try:
             await self._run(self.sync.close)
         finally:
@@ -489,7 +489,7 @@ class AsyncProducer:
     def __init__(self, producer: Producer, session: AsyncSession) -> None:
         self.sync = producer
         self.session = session
-        self._connection = session.connection
+        self._aio = session.connection
         # Sends that could not be written at once (failing over, the window full) wait in
         # order, and a send made while any waits joins them.
         self._backlog: collections.deque[
@@ -513,7 +513,7 @@ class AsyncProducer:
         is sent from a worker thread as soon as it can be. Sends not awaited are confirmed
         together, as the threaded ``send_async`` is."""
         options = (destination, headers, persistent, priority, time_to_live)
-        return PendingSend(self._submit(message, options, receipt=False), self._connection)
+        return PendingSend(self._submit(message, options, receipt=False), self._aio)
 
     async def send(
         self,
@@ -532,11 +532,11 @@ class AsyncProducer:
         try:
             if not isinstance(submitted, SendCompletion):
                 submitted = await submitted  # queued: written later
-            return await self._connection._completed(submitted)
+            return await self._aio._completed(submitted)
         except asyncio.CancelledError:
             # Only the wait is cancelled: the send itself goes on.
             target = destination if destination is not None else self.sync.destination
-            self._connection._cancelled(message, None if target is None else str(target))
+            self._aio._cancelled(message, None if target is None else str(target))
             raise
 
     def _submit(
@@ -544,7 +544,7 @@ class AsyncProducer:
     ) -> SendCompletion | asyncio.Future[SendCompletion]:
         """Written now (its completion), or queued behind the sends that wait (a future
         of its completion, once written)."""
-        connection = self._connection
+        connection = self._aio
         if not self._backlog:
             try:
                 return nonblocking.send_now(
@@ -561,7 +561,7 @@ class AsyncProducer:
         return written
 
     async def _write_backlog(self) -> None:
-        connection = self._connection
+        connection = self._aio
         sync = self.sync
         failover_deadline = nonblocking.failover_deadline(connection.sync)
         try:
@@ -598,7 +598,7 @@ class AsyncProducer:
                 if not written.done():
                     written.set_result(completion)
             # Whoever awaits these awaited before they were written: ask for them now.
-            connection._ask_for_receipt()
+            connection._ask_receipt()
         finally:
             self._writer = None
 
@@ -608,7 +608,7 @@ class AsyncProducer:
             await asyncio.shield(writer)  # the sends still queued are written first
         wait = nonblocking.flush_wait(self.sync, timeout)
         if wait is not None:
-            await self._connection._served(wait)
+            await self._aio._on_loop(wait)
 
     async def close(self) -> None:
         await self.flush()
@@ -618,7 +618,7 @@ class PendingSend:
     """A send of ``send_nowait``: await it for the message as sent, once the broker has it
     (waiting as the threaded completion's ``result()`` does)."""
 
-    __slots__ = ("_completion", "_connection", "_written")
+    __slots__ = ("_aio", "_completion", "_queued_write")
 
     def __init__(
         self, sent: SendCompletion | asyncio.Future[SendCompletion], connection: AsyncConnection
@@ -626,23 +626,23 @@ class PendingSend:
         # A send written at once keeps the driver's completion, bridged to the loop only if
         # it is awaited before it is done: most of a pipelined burst never needs to be.
         self._completion = sent if isinstance(sent, SendCompletion) else None
-        self._written = None if isinstance(sent, SendCompletion) else sent
-        self._connection = connection
+        self._queued_write = None if isinstance(sent, SendCompletion) else sent
+        self._aio = connection
 
     def __await__(self) -> Generator[Any, None, Message]:
-        return self._result().__await__()
+        return self._awaited().__await__()
 
-    async def _result(self) -> Message:
+    async def _awaited(self) -> Message:
         completion = self._written_completion()
         if completion is None:
-            assert self._written is not None
-            completion = self._completion = await self._written
-        return await self._connection._completed(completion)
+            assert self._queued_write is not None
+            completion = self._completion = await self._queued_write
+        return await self._aio._completed(completion)
 
     def _written_completion(self) -> SendCompletion | None:
         """Its completion, once written (raises what stopped it being written)."""
         if self._completion is None:
-            written = self._written
+            written = self._queued_write
             assert written is not None
             if written.done():
                 self._completion = written.result()
@@ -685,7 +685,7 @@ class AsyncConsumer:
     def __init__(self, consumer: Consumer, session: AsyncSession) -> None:
         self.sync = consumer
         self.session = session
-        self._connection = session.connection
+        self._aio = session.connection
 
     @property
     def destination(self) -> Destination:
@@ -695,7 +695,7 @@ class AsyncConsumer:
     def duplicates_dropped(self) -> int:
         return self.sync.duplicates_dropped
 
-    def _take(self) -> Message:
+    def _take_now(self) -> Message:
         message = nonblocking.receive_now(self.sync)
         if message is None:
             raise WouldBlock
@@ -713,7 +713,7 @@ class AsyncConsumer:
             if message is not None:
                 return message
         try:
-            return await self._connection._until(self._take, timeout)
+            return await self._aio._until(self._take_now, timeout)
         except TimeoutError:
             return None
 
@@ -731,7 +731,7 @@ class AsyncConsumer:
 
     async def close(self) -> None:
         """Stop the subscription; prefetched messages go back to the broker."""
-        await self._connection._run(self.sync.close)
+        await self._aio._run(self.sync.close)
 
 
 class AsyncBrowser:
@@ -739,7 +739,7 @@ class AsyncBrowser:
 
     def __init__(self, browser: Browser, connection: AsyncConnection) -> None:
         self.sync = browser
-        self._connection = connection
+        self._aio = connection
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._messages()
@@ -747,15 +747,15 @@ class AsyncBrowser:
     async def _messages(self) -> AsyncIterator[Message]:
         iterator = iter(self.sync)
         done = object()
-        while (message := await self._connection._run(next, iterator, done)) is not done:
+        while (message := await self._aio._run(next, iterator, done)) is not done:
             assert isinstance(message, Message)
             yield message
 
     async def messages(self) -> list[Message]:
-        return await self._connection._run(self.sync.messages)
+        return await self._aio._run(self.sync.messages)
 
     async def close(self) -> None:
-        await self._connection._run(self.sync.close)
+        await self._aio._run(self.sync.close)
 
 
 class AsyncTransactionBlock:
@@ -772,14 +772,14 @@ class AsyncTransactionBlock:
 
     def __init__(self, block: TransactionBlock, connection: AsyncConnection) -> None:
         self._block = block
-        self._connection = connection
+        self._aio = connection
 
     def __aiter__(self) -> AsyncIterator[AsyncTransactionAttempt]:
-        return self._attempts()
+        return self._each_attempt()
 
-    async def _attempts(self) -> AsyncIterator[AsyncTransactionAttempt]:
+    async def _each_attempt(self) -> AsyncIterator[AsyncTransactionAttempt]:
         for attempt in self._block:  # decides when to stop: no I/O of its own
-            yield AsyncTransactionAttempt(attempt, self._connection)
+            yield AsyncTransactionAttempt(attempt, self._aio)
 
     def __call__(self, function: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(function)
@@ -799,7 +799,7 @@ class AsyncTransactionAttempt:
 
     def __init__(self, attempt: TransactionAttempt, connection: AsyncConnection) -> None:
         self.sync = attempt
-        self._connection = connection
+        self._aio = connection
 
     @property
     def number(self) -> int:
@@ -815,7 +815,7 @@ class AsyncTransactionAttempt:
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> bool:
-        return await self._connection._run(self.sync.__exit__, kind, error, trace)
+        return await self._aio._run(self.sync.__exit__, kind, error, trace)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
