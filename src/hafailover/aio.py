@@ -7,14 +7,21 @@ where to wait. Why not a second driver on asyncio streams: docs/aio.md (a bridge
 is measured by benchmarks/aio.py).
 
 - A call that can be answered at once runs on the event loop's thread: a send is written
-  there (``block=False``: the driver raises WouldBlock instead of waiting), and its
-  confirmation is a future, completed through ``loop.call_soon_threadsafe`` by the thread
-  that hears the broker; a receive takes a buffered message there, and waits for the next
-  on an ``asyncio.Event`` the driver sets when a delivery arrives.
-- A call that would wait, for the connection to come back (F1), for room in the
-  confirmation window, for a subscription, a commit or a close, runs on one of the
-  connection's worker threads, so the loop never waits for the broker, not even while the
-  connection fails over.
+  there (``block=False``: the driver raises WouldBlock, with the wait it needs, instead of
+  waiting); a receive takes a buffered message there; a recover or a consumer's close is
+  decided and queued there.
+- A call that waits, for the broker's confirmation, for the connection to come back (F1),
+  for room in the confirmation window, for the acknowledge F6 needs first, waits on the
+  loop: the driver hands it the wait as a value (hafailover.core.waits) and the driver's
+  one waiter serves it here as it serves a blocking call on a thread, with the same
+  call_timeout and call_failover_timeout. Sessions and acknowledges are written as steps
+  (each wait yielded) and run here the same way. The loop is woken by the one completion
+  awaited, or by the driver's condition for any other change, through
+  ``loop.call_soon_threadsafe``.
+- Calls that still block inside the driver or a link (subscribing, committing, rolling
+  back, a transacted send, browsing, a temporary queue, closing a session or the
+  connection) run on one of the connection's worker threads, so the loop never waits for
+  the broker, not even while the connection fails over.
 - Cancelling a call that waits for the broker cancels the wait, never the call: a send
   whose confirmation had not come is reported in doubt (``SendCancelled`` in
   ``events()``, ``cancelled_in_doubt``), and sending the same Message object again reuses
@@ -59,7 +66,7 @@ from hafailover.driver.consumer import DEFAULT_PREFETCH
 from hafailover.driver.nonblocking import SendOptions
 from hafailover.driver.producer import sent_id
 from hafailover.driver.transactions import TransactionAttempt, TransactionBlock
-from hafailover.driver.waits import Waiter
+from hafailover.driver.waits import Steps, Waiter
 from hafailover.errors import CallTimeoutError, ConnectionClosedError, HaFailoverError
 from hafailover.message import Message, PropertyValue
 from hafailover.protocols.base import LinkFactory
@@ -301,6 +308,25 @@ class AsyncConnection:
             await self._on_loop(nonblocking.completion_wait(self.sync, completion))
         return _outcome(completion)
 
+    async def _steps(self, steps: Steps[R]) -> R:
+        """Run a call written as steps on the loop: each wait it yields served by the
+        driver's waiter, a CallTimeoutError thrown back in where it was yielded."""
+        timed_out: CallTimeoutError | None = None
+        try:
+            while True:
+                try:
+                    wait = steps.send(None) if timed_out is None else steps.throw(timed_out)
+                except StopIteration as finished:
+                    result: R = finished.value
+                    return result
+                timed_out = None
+                try:
+                    await self._on_loop(wait)
+                except CallTimeoutError as exc:
+                    timed_out = exc
+        finally:
+            steps.close()  # cancelled: the call stops where it waited
+
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
         """``attempt()`` until it does not raise WouldBlock, serving the wait it names
         (never blocking the loop); TimeoutError after ``timeout`` seconds (None: no limit)
@@ -380,7 +406,8 @@ class AsyncConnection:
 
     async def create_session(self, ack_mode: AckMode = AckMode.AUTO) -> AsyncSession:
         """A session (waits while the connection fails over, F1)."""
-        return AsyncSession(await self._run(self.sync.create_session, ack_mode), self)
+        session = await self._steps(nonblocking.create_session(self.sync, ack_mode))
+        return AsyncSession(session, self)
 
     def start(self) -> None:
         """Start (or resume) delivery to consumers."""
@@ -461,13 +488,10 @@ class AsyncSession:
     async def acknowledge(self, message: Message | None = None) -> None:
         """CLIENT modes: acknowledge ``message`` (and, in CLIENT mode, every message this
         session delivered before it), or every message delivered when none is named (F8)."""
-        if message is None:
-            await self.connection._run(self.sync.acknowledge)
-        else:
-            await self.connection._run(message.acknowledge)
+        await self.connection._steps(nonblocking.acknowledge(self.sync, message))
 
     async def recover(self) -> None:
-        await self.connection._run(self.sync.recover)
+        self.sync.recover()  # decided and queued under the lock: never waits
 
     async def commit(self) -> None:
         await self.connection._run(self.sync.commit)
@@ -731,7 +755,7 @@ class AsyncConsumer:
 
     async def close(self) -> None:
         """Stop the subscription; prefetched messages go back to the broker."""
-        await self._aio._run(self.sync.close)
+        self.sync.close()  # decided and queued under the lock: never waits
 
 
 class AsyncBrowser:
@@ -755,7 +779,7 @@ class AsyncBrowser:
         return await self._aio._run(self.sync.messages)
 
     async def close(self) -> None:
-        await self._aio._run(self.sync.close)
+        self.sync.close()  # never waits
 
 
 class AsyncTransactionBlock:

@@ -21,7 +21,7 @@ from hafailover.core.inflight import CallKind, SessionsCore
 from hafailover.core.waits import CallBudget, Wait
 from hafailover.destination import Destination
 from hafailover.driver.completions import Callback, SendCompletion, Waiting
-from hafailover.driver.waits import Waiter, budget_of
+from hafailover.driver.waits import Steps, Waiter, WouldBlock, budget_of
 from hafailover.errors import (
     AcknowledgeFailedError,
     CallTimeoutError,
@@ -125,24 +125,6 @@ class WatchedCondition(threading.Condition):
         for flush in flushes:
             flush()
         return state
-
-
-class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and hafailover.aio, not an error
-    """A call made not to block would have to wait: for the connection to come back (F1),
-    for room in the confirmation window, or for a completion (a previous AUTO
-    acknowledge). Nothing was sent; the caller serves ``wait`` its own way (with a
-    ``Waiter``; None: until the driver changes something) and asks again. When the wait's
-    budget runs out the caller passes the CallTimeoutError to ``timed_out``, if given,
-    which raises what a blocking call would have raised then."""
-
-    def __init__(
-        self,
-        wait: Wait[SendCompletion] | None = None,
-        timed_out: Callable[[CallTimeoutError], None] | None = None,
-    ) -> None:
-        super().__init__("the call would block")
-        self.wait = wait
-        self.timed_out = timed_out
 
 
 class Calls:
@@ -316,6 +298,14 @@ class Calls:
             asks_receipt=True,
             timed_out=lambda: f"the broker did not answer within {self.policy.call_timeout}s",
         )
+
+    def _completion_steps(self, completion: SendCompletion) -> Steps[None]:
+        """``completion.result()`` as steps: its wait, then what it ended with."""
+        if not completion.done():
+            yield self._completion_wait(completion)
+        error = completion.exception()
+        if error is not None:
+            raise error
 
     def _wait_done(self, completion: SendCompletion, timeout: float | None) -> None:
         """Wait for a completion; failover time does not count against call_timeout."""

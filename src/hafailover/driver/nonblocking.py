@@ -12,19 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from hafailover.ack_modes import AckMode
 from hafailover.core.waits import Wait
 from hafailover.destination import Destination
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.connection import Connection
 from hafailover.driver.consumer import Consumer
 from hafailover.driver.producer import Producer
-from hafailover.driver.waits import budget_of
+from hafailover.driver.session import Session
+from hafailover.driver.waits import Steps, budget_of
 from hafailover.message import Message, PropertyValue
 
 __all__ = [
     "SendOptions",
+    "acknowledge",
     "ask_for_receipt",
     "completion_wait",
+    "create_session",
     "failover_deadline",
     "flush_wait",
     "receive_now",
@@ -108,3 +112,21 @@ def receive_now(consumer: Consumer) -> Message | None:
     """The next message if one can be handed out without waiting, else None; raises
     WouldBlock while an AUTO acknowledge must be confirmed first (F6)."""
     return consumer._receive_now()
+
+
+def create_session(connection: Connection, ack_mode: AckMode) -> Steps[Session]:
+    """``connection.create_session(ack_mode)`` as steps: it waits while failing over."""
+    return connection._session_steps(ack_mode)
+
+
+def acknowledge(session: Session, message: Message | None) -> Steps[None]:
+    """``message.acknowledge()`` (on the session that delivered it), or
+    ``session.acknowledge()`` when None, as steps: it waits out a failover, then for the
+    broker's confirmation."""
+    if message is None:
+        return session._acknowledge_all_steps()
+    delivery = message.delivery
+    connection = session.connection
+    with connection._cond:
+        owner = None if delivery is None else connection._sessions.get(delivery.session_id)
+    return (owner or session)._acknowledge_message_steps(message)

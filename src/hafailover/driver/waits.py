@@ -13,16 +13,42 @@ connection; never writes except through ``ask_for_receipt``.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Generator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hafailover.core.waits import CallBudget, Expiry, Wait
 from hafailover.errors import CallTimeoutError
 
 if TYPE_CHECKING:
     from hafailover.driver.calls import Calls
+    from hafailover.driver.completions import SendCompletion
 
-__all__ = ["Waiter", "budget_of"]
+__all__ = ["Steps", "Waiter", "WouldBlock", "attempts", "budget_of", "run_steps"]
+
+T = TypeVar("T")
+
+# A call that waits, written as the waits it needs: each Wait it yields is served by whoever
+# runs it (``run_steps`` on a thread, hafailover.aio on a loop), and a CallTimeoutError met
+# serving one is thrown back in where it was yielded. Yielded outside the connection's lock.
+Steps = Generator[Wait[Any], None, T]
+
+
+class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and hafailover.aio, not an error
+    """A call made not to block would have to wait: for the connection to come back (F1),
+    for room in the confirmation window, or for a completion (a previous AUTO
+    acknowledge). Nothing was sent; the caller serves ``wait`` its own way (with a
+    ``Waiter``; None: until the driver changes something) and asks again. When the wait's
+    budget runs out the caller passes the CallTimeoutError to ``timed_out``, if given,
+    which raises what a blocking call would have raised then."""
+
+    def __init__(
+        self,
+        wait: Wait[SendCompletion] | None = None,
+        timed_out: Callable[[CallTimeoutError], None] | None = None,
+    ) -> None:
+        super().__init__("the call would block")
+        self.wait = wait
+        self.timed_out = timed_out
 
 
 def budget_of(connection: Calls, timeout: float | None = None) -> CallBudget:
@@ -81,3 +107,32 @@ class Waiter:
         changed something or ``pause`` seconds passed."""
         while (pause := self.look()) is not None:
             await changed(pause)
+
+
+def attempts(attempt: Callable[[], T]) -> Steps[T]:
+    """``attempt()`` until it does not raise WouldBlock, each wait it raises yielded (an
+    attempt that raises it has changed nothing, so it is simply made again)."""
+    while True:
+        try:
+            return attempt()
+        except WouldBlock as blocked:
+            wait = blocked.wait
+            if wait is None:
+                raise
+        yield wait
+
+
+def run_steps(connection: Calls, steps: Steps[T]) -> T:
+    """On a thread: run ``steps``, each wait served by the Waiter on the condition."""
+    timed_out: CallTimeoutError | None = None
+    while True:
+        try:
+            wait = steps.send(None) if timed_out is None else steps.throw(timed_out)
+        except StopIteration as finished:
+            result: T = finished.value
+            return result
+        timed_out = None
+        try:
+            Waiter(connection, wait).block()
+        except CallTimeoutError as exc:
+            timed_out = exc
