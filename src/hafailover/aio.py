@@ -292,12 +292,15 @@ class AsyncConnection:
             else:
                 await asyncio.wait({future}, timeout=pause)
 
-        # Counted before the first look: a change the driver makes after it is told.
-        self._watching += 1
+        # Told of every change only when not woken by a completion (so a burst of
+        # confirmations does not wake the loop for each waiting send): counted before the
+        # first look, so a change the driver makes after it is told.
+        watching = 1 if future is None else 0
+        self._watching += watching
         try:
             await Waiter(self.sync, wait).until(changed)
         finally:
-            self._watching -= 1
+            self._watching -= watching
             if future is not None:
                 future.cancel()  # no longer waited for (a no-op once done)
 
@@ -533,9 +536,10 @@ class AsyncProducer:
     ) -> PendingSend:
         """Send, and return an awaitable of the message as sent once the broker has it (at
         once for what it does not confirm). The message is written before this returns
-        unless the connection is failing over or the confirmation window is full; then it
-        is sent from a worker thread as soon as it can be. Sends not awaited are confirmed
-        together, as the threaded ``send_async`` is."""
+        unless the connection is failing over or the confirmation window is full; then the
+        producer's task writes it, in order, as soon as it can be (a worker thread, in a
+        transacted session). Awaited, it waits as the threaded ``result()`` does (the call
+        timeouts). Sends not awaited are confirmed together, as ``send_async`` sends are."""
         options = (destination, headers, persistent, priority, time_to_live)
         return PendingSend(self._submit(message, options, receipt=False), self._aio)
 
