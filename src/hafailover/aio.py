@@ -7,14 +7,21 @@ where to wait. Why not a second driver on asyncio streams: docs/aio.md (a bridge
 is measured by benchmarks/aio.py).
 
 - A call that can be answered at once runs on the event loop's thread: a send is written
-  there (``block=False``: the driver raises WouldBlock instead of waiting), and its
-  confirmation is a future, completed through ``loop.call_soon_threadsafe`` by the thread
-  that hears the broker; a receive takes a buffered message there, and waits for the next
-  on an ``asyncio.Event`` the driver sets when a delivery arrives.
-- A call that would wait, for the connection to come back (F1), for room in the
-  confirmation window, for a subscription, a commit or a close, runs on one of the
-  connection's worker threads, so the loop never waits for the broker, not even while the
-  connection fails over.
+  there (``block=False``: the driver raises WouldBlock, with the wait it needs, instead of
+  waiting); a receive takes a buffered message there; a recover or a consumer's close is
+  decided and queued there.
+- A call that waits, for the broker's confirmation, for the connection to come back (F1),
+  for room in the confirmation window, for the acknowledge F6 needs first, waits on the
+  loop: the driver hands it the wait as a value (hafailover.core.waits) and the driver's
+  one waiter serves it here as it serves a blocking call on a thread, with the same
+  call_timeout and call_failover_timeout. Sessions and acknowledges are written as steps
+  (each wait yielded) and run here the same way. The loop is woken by the one completion
+  awaited, or by the driver's condition for any other change, through
+  ``loop.call_soon_threadsafe``.
+- Calls that still block inside the driver or a link (subscribing, committing, rolling
+  back, a transacted send, browsing, a temporary queue, closing a session or the
+  connection) run on one of the connection's worker threads, so the loop never waits for
+  the broker, not even while the connection fails over.
 - Cancelling a call that waits for the broker cancels the wait, never the call: a send
   whose confirmation had not come is reported in doubt (``SendCancelled`` in
   ``events()``, ``cancelled_in_doubt``), and sending the same Message object again reuses
@@ -29,6 +36,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +46,7 @@ import attrs
 
 from hafailover.ack_modes import AckMode, LinkReliability
 from hafailover.core.report import FailoverReport
+from hafailover.core.waits import CallBudget, Wait
 from hafailover.destination import Destination
 from hafailover.driver import (
     Browser,
@@ -49,13 +58,16 @@ from hafailover.driver import (
     Producer,
     SendCompletion,
     Session,
+    nonblocking,
 )
 from hafailover.driver import connect as connect_threaded
-from hafailover.driver.calls import CallClock, WouldBlock
+from hafailover.driver.calls import WouldBlock
 from hafailover.driver.consumer import DEFAULT_PREFETCH
+from hafailover.driver.nonblocking import SendOptions
 from hafailover.driver.producer import sent_id
 from hafailover.driver.transactions import TransactionAttempt, TransactionBlock
-from hafailover.errors import ConnectionClosedError, HaFailoverError
+from hafailover.driver.waits import Steps, Waiter
+from hafailover.errors import CallTimeoutError, ConnectionClosedError, HaFailoverError
 from hafailover.message import Message, PropertyValue
 from hafailover.protocols.base import LinkFactory
 from hafailover.protocols.factory import make_link
@@ -97,13 +109,6 @@ class SendCancelled:
 
 
 AsyncEvent = ConnectionEvent | SendCancelled
-_SendOptions = tuple[
-    str | Destination | None,
-    Mapping[str, PropertyValue] | None,
-    bool | None,
-    int | None,
-    float | None,
-]
 
 
 async def connect(
@@ -146,14 +151,14 @@ class AsyncConnection:
         self.sync = connection  # the threaded connection underneath
         self.loop = loop
         self._workers = workers
-        self._exception_listener = exception_listener
+        self._on_exception = exception_listener
         self._streams: list[asyncio.Queue[AsyncEvent | None]] = []
         # Tasks between their first look at the driver and the end of their wait (read by
         # the driver's threads), and the futures of those waiting for the driver to change.
         self._watching = 0
         self._change_waiters: list[asyncio.Future[None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._closed = False
+        self._shut = False
         self._queued: collections.deque[tuple[Callable[..., object], tuple[object, ...]]] = (
             collections.deque()
         )
@@ -161,7 +166,7 @@ class AsyncConnection:
         self._wake_pending = False
         self.cancelled_in_doubt: list[SendCancelled] = []
         connection.add_event_listener(self._event_from_driver)
-        connection._cond.watcher = self._driver_changed
+        nonblocking.watch(connection, self._driver_changed)
         if exception_listener is not None:
             connection.set_exception_listener(self._exception_from_driver)
 
@@ -199,17 +204,14 @@ class AsyncConnection:
                 except Exception:  # one failed callback must not lose the others
                     log.exception("hafailover.aio: a callback raised (ignored)")
 
-    def _future_of(
-        self, completion: SendCompletion, future: asyncio.Future[Message | None] | None = None
-    ) -> asyncio.Future[Message | None]:
-        """A future (``future``, or a new one) finished like ``completion``, with the
-        message it sent, if any."""
-        if future is None:
-            future = self.loop.create_future()
+    def _done_future(self, completion: SendCompletion) -> asyncio.Future[None]:
+        """A future of the loop, done once ``completion`` is (its outcome stays the
+        completion's to tell)."""
+        future: asyncio.Future[None] = self.loop.create_future()
         if completion.done():
-            _settle(future, completion)
+            future.set_result(None)
         else:
-            completion.add_done_callback(lambda done: self._later(_settle, future, done))
+            completion.add_done_callback(lambda _: self._later(_wake, future))
         return future
 
     def _spawn(self, coroutine: Coroutine[Any, Any, R]) -> asyncio.Task[R]:
@@ -229,11 +231,11 @@ class AsyncConnection:
             stream.put_nowait(event)
         if isinstance(event, FailoverCompleted):
             # Confirmations awaited across the failover: ask the new link for them.
-            self._ask_for_receipt()
+            self._ask_receipt()
         self._wake_waiters()  # the connection is back, or gone: waiting calls look again
 
     def _tell_listener(self, error: HaFailoverError) -> None:
-        listener = self._exception_listener
+        listener = self._on_exception
         if listener is None:
             return
         try:
@@ -243,11 +245,9 @@ class AsyncConnection:
         except Exception:
             log.exception("an exception listener raised (ignored)")
 
-    def _ask_for_receipt(self) -> None:
+    def _ask_receipt(self) -> None:
         """Someone awaits a confirmation: ask the broker for one if no written frame has."""
-        sync = self.sync
-        with sync._cond:
-            sync._ask_for_receipt()
+        nonblocking.ask_for_receipt(self.sync)
 
     def _driver_changed(self) -> None:
         """On a driver thread, under its lock: something a waiting call may wait for."""
@@ -259,25 +259,81 @@ class AsyncConnection:
         for waiter in waiters:
             _wake(waiter)
 
-    async def _within_call_timeout(self, future: asyncio.Future[Any]) -> bool:
-        """Wait for ``future`` up to the call timeout, counting only time the connection is
-        up (F1) and asking the broker for a receipt where a call waits for one, as a
-        blocking call's wait does; whether it finished."""
-        connection = self.sync
-        clock = CallClock(connection.policy.call_timeout, connection._machine)
-        while not future.done():
-            if clock.expired:
-                return False
-            with connection._cond:
-                connection._ask_for_receipt()
-            await asyncio.wait({future}, timeout=clock.slice)
-            clock.tick()
-        return True
+    async def _next_change(self, pause: float | None) -> None:
+        """Until the driver changes something, or ``pause`` seconds (None: no limit)."""
+        changed: asyncio.Future[None] = self.loop.create_future()
+        self._change_waiters.append(changed)
+        # No wait_for: it would make a task for every wait.
+        expiry = None if pause is None else self.loop.call_later(pause, _wake, changed)
+        try:
+            await changed
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+
+    async def _on_loop(self, wait: Wait[SendCompletion], deadline: float | None = None) -> None:
+        """Serve ``wait`` on the loop with the driver's one waiter (its call_timeout and
+        call_failover_timeout, as a blocking call waits). A ``deadline`` (loop time: the
+        caller's own timeout) replaces both, and ends the wait with TimeoutError."""
+        if deadline is not None:
+            wait = attrs.evolve(wait, budget=CallBudget(math.inf))
+        completion = wait.completion
+        # Waiting for one call's answer: woken by that completion, not by every change.
+        future = None if completion is None else self._done_future(completion)
+
+        async def changed(pause: float) -> None:
+            if deadline is not None:
+                left = deadline - self.loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                pause = min(pause, left)
+            if future is None:
+                await self._next_change(pause)
+            else:
+                await asyncio.wait({future}, timeout=pause)
+
+        # Told of every change only when not woken by a completion (so a burst of
+        # confirmations does not wake the loop for each waiting send): counted before the
+        # first look, so a change the driver makes after it is told.
+        watching = 1 if future is None else 0
+        self._watching += watching
+        try:
+            await Waiter(self.sync, wait).until(changed)
+        finally:
+            self._watching -= watching
+            if future is not None:
+                future.cancel()  # no longer waited for (a no-op once done)
+
+    async def _completed(self, completion: SendCompletion) -> Message:
+        """The message ``completion`` sent, once the broker confirmed it, waiting as
+        ``completion.result()`` does; raises what it failed with."""
+        if not completion.done():
+            await self._on_loop(nonblocking.completion_wait(self.sync, completion))
+        return _outcome(completion)
+
+    async def _steps(self, steps: Steps[R]) -> R:
+        """Run a call written as steps on the loop: each wait it yields served by the
+        driver's waiter, a CallTimeoutError thrown back in where it was yielded."""
+        timed_out: CallTimeoutError | None = None
+        try:
+            while True:
+                try:
+                    wait = steps.send(None) if timed_out is None else steps.throw(timed_out)
+                except StopIteration as finished:
+                    result: R = finished.value
+                    return result
+                timed_out = None
+                try:
+                    await self._on_loop(wait)
+                except CallTimeoutError as exc:
+                    timed_out = exc
+        finally:
+            steps.close()  # cancelled: the call stops where it waited
 
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
-        """``attempt()`` until it does not raise WouldBlock, looking again each time the
-        driver changes (never blocking the loop); TimeoutError after ``timeout`` seconds
-        (None: no limit) without an answer."""
+        """``attempt()`` until it does not raise WouldBlock, serving the wait it names
+        (never blocking the loop); TimeoutError after ``timeout`` seconds (None: no limit)
+        without an answer."""
         deadline = None if timeout is None else self.loop.time() + timeout
         # Counted before the first look: a change the driver makes after it is told.
         self._watching += 1
@@ -286,40 +342,18 @@ class AsyncConnection:
                 try:
                     return attempt()
                 except WouldBlock as blocked:
-                    if blocked.completion is not None:
-                        # What it waits for is one call, up to the deadline: how that ended
-                        # is for the next attempt to say.
-                        future = self._future_of(blocked.completion)
-                        left = None if deadline is None else deadline - self.loop.time()
-                        if left is not None and left <= 0:
-                            raise TimeoutError from None
-                        if left is None and blocked.timed_out is not None:
-                            # No timeout of the caller's: the call timeout, as a blocking
-                            # call would wait (failing over does not count, F1).
-                            if not await self._within_call_timeout(future):
-                                blocked.timed_out()  # raises what a blocking call would
-                            continue
-                        finished, _ = await asyncio.wait({future}, timeout=left)
-                        if not finished:
-                            raise TimeoutError from None
-                        with contextlib.suppress(HaFailoverError):
-                            future.result()
+                    remaining = None if deadline is None else deadline - self.loop.time()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError from None
+                    if blocked.wait is None:
+                        await self._next_change(remaining)
                         continue
-                remaining = None if deadline is None else deadline - self.loop.time()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError
-                changed: asyncio.Future[None] = self.loop.create_future()
-                self._change_waiters.append(changed)
-                # Woken by a change, or at the deadline for one last look (no wait_for: it
-                # would make a task for every wait).
-                expiry = (
-                    None if remaining is None else self.loop.call_later(remaining, _wake, changed)
-                )
-                try:
-                    await changed
-                finally:
-                    if expiry is not None:
-                        expiry.cancel()
+                    try:
+                        await self._on_loop(blocked.wait, deadline)
+                    except CallTimeoutError as exc:
+                        if blocked.timed_out is None:
+                            raise
+                        blocked.timed_out(exc)  # raises what a blocking call would
         finally:
             self._watching -= 1
 
@@ -375,7 +409,8 @@ class AsyncConnection:
 
     async def create_session(self, ack_mode: AckMode = AckMode.AUTO) -> AsyncSession:
         """A session (waits while the connection fails over, F1)."""
-        return AsyncSession(await self._run(self.sync.create_session, ack_mode), self)
+        session = await self._steps(nonblocking.create_session(self.sync, ack_mode))
+        return AsyncSession(session, self)
 
     def start(self) -> None:
         """Start (or resume) delivery to consumers."""
@@ -386,9 +421,9 @@ class AsyncConnection:
 
     async def close(self) -> None:
         """Close every session and the connection; waiting calls are released at once."""
-        if self._closed:
+        if self._shut:
             return
-        self._closed = True
+        self._shut = True
         try:
             await self._run(self.sync.close)
         finally:
@@ -488,13 +523,10 @@ class AsyncSession:
     async def acknowledge(self, message: Message | None = None) -> None:
         """CLIENT modes: acknowledge ``message`` (and, in CLIENT mode, every message this
         session delivered before it), or every message delivered when none is named (F8)."""
-        if message is None:
-            await self.connection._run(self.sync.acknowledge)
-        else:
-            await self.connection._run(message.acknowledge)
+        await self.connection._steps(nonblocking.acknowledge(self.sync, message))
 
     async def recover(self) -> None:
-        await self.connection._run(self.sync.recover)
+        self.sync.recover()  # decided and queued under the lock: never waits
 
     async def commit(self) -> None:
         await self.connection._run(self.sync.commit)
@@ -516,11 +548,11 @@ class AsyncProducer:
     def __init__(self, producer: Producer, session: AsyncSession) -> None:
         self.sync = producer
         self.session = session
-        self._connection = session.connection
+        self._aio = session.connection
         # Sends that could not be written at once (failing over, the window full) wait in
         # order, and a send made while any waits joins them.
         self._backlog: collections.deque[
-            tuple[Message | bytes | str, _SendOptions, bool, asyncio.Future[Message]]
+            tuple[Message | bytes | str, SendOptions, bool, asyncio.Future[SendCompletion]]
         ] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
 
@@ -536,11 +568,12 @@ class AsyncProducer:
     ) -> PendingSend:
         """Send, and return an awaitable of the message as sent once the broker has it (at
         once for what it does not confirm). The message is written before this returns
-        unless the connection is failing over or the confirmation window is full; then it
-        is sent from a worker thread as soon as it can be. Sends not awaited are confirmed
-        together, as the threaded ``send_async`` is."""
+        unless the connection is failing over or the confirmation window is full; then the
+        producer's task writes it, in order, as soon as it can be (a worker thread, in a
+        transacted session). Awaited, it waits as the threaded ``result()`` does (the call
+        timeouts). Sends not awaited are confirmed together, as ``send_async`` sends are."""
         options = (destination, headers, persistent, priority, time_to_live)
-        return PendingSend(self._submit(message, options, receipt=False), self._connection)
+        return PendingSend(self._submit(message, options, receipt=False), self._aio)
 
     async def send(
         self,
@@ -556,75 +589,76 @@ class AsyncProducer:
         Cancelled before that, the send goes on and is reported in doubt (SendCancelled)."""
         options = (destination, headers, persistent, priority, time_to_live)
         submitted = self._submit(message, options, receipt=True)
-        sending: asyncio.Future[Message]
-        if isinstance(submitted, SendCompletion):
-            sending = self._connection._future_of(submitted)  # type: ignore[assignment]
-        else:
-            sending = submitted
         try:
-            return await sending
+            if not isinstance(submitted, SendCompletion):
+                submitted = await submitted  # queued: written later
+            return await self._aio._completed(submitted)
         except asyncio.CancelledError:
-            # Cancelling the wait cancelled ``sending`` too; the send itself goes on.
+            # Only the wait is cancelled: the send itself goes on.
             target = destination if destination is not None else self.sync.destination
-            self._connection._cancelled(message, None if target is None else str(target))
+            self._aio._cancelled(message, None if target is None else str(target))
             raise
 
     def _submit(
-        self, message: Message | bytes | str, options: _SendOptions, *, receipt: bool
-    ) -> SendCompletion | asyncio.Future[Message]:
-        """Written now (its completion), or queued behind the sends that wait (a future)."""
-        connection = self._connection
+        self, message: Message | bytes | str, options: SendOptions, *, receipt: bool
+    ) -> SendCompletion | asyncio.Future[SendCompletion]:
+        """Written now (its completion), or queued behind the sends that wait (a future
+        of its completion, once written)."""
+        connection = self._aio
         if not self._backlog:
             try:
-                return self.sync._send(message, *options, receipt=receipt, block=False)
+                return nonblocking.send_now(
+                    self.sync, message, options, receipt=receipt, failover_deadline=None
+                )
             except WouldBlock:
                 pass
         # It must wait (failing over, the window full): so must every send after it, to
         # keep this producer's order. One task writes them as soon as they can go.
-        sent: asyncio.Future[Message] = connection.loop.create_future()
-        self._backlog.append((message, options, receipt, sent))
+        written: asyncio.Future[SendCompletion] = connection.loop.create_future()
+        self._backlog.append((message, options, receipt, written))
         if self._writer is None:
             self._writer = connection._spawn(self._write_backlog())
-        return sent
+        return written
 
     async def _write_backlog(self) -> None:
-        connection = self._connection
+        connection = self._aio
         sync = self.sync
-        failover_deadline = connection.sync._failover_deadline()
+        failover_deadline = nonblocking.failover_deadline(connection.sync)
         try:
             while self._backlog:
-                message, options, receipt, sent = self._backlog[0]
+                message, options, receipt, written = self._backlog[0]
                 try:
                     if sync.session.transacted:
                         # Its transaction may have to be begun, which can wait for the
                         # broker: written from a worker thread.
                         completion = await connection._run(
-                            functools.partial(sync._send, message, *options, receipt=receipt)
+                            functools.partial(
+                                nonblocking.send, sync, message, options, receipt=receipt
+                            )
                         )
-                        self._backlog.popleft()
-                        connection._future_of(completion, sent)  # type: ignore[arg-type]
-                        continue
-                    # Written at once while it can be: a burst waits once, not once each.
-                    completion = await connection._until(
-                        functools.partial(
-                            sync._send,
-                            message,
-                            *options,
-                            receipt=receipt,
-                            block=False,
-                            failover_deadline=failover_deadline,
-                        ),
-                        None,
-                    )
+                    else:
+                        # Written at once while it can be: a burst waits once, not once each.
+                        completion = await connection._until(
+                            functools.partial(
+                                nonblocking.send_now,
+                                sync,
+                                message,
+                                options,
+                                receipt=receipt,
+                                failover_deadline=failover_deadline,
+                            ),
+                            None,
+                        )
                 except HaFailoverError as exc:
                     self._backlog.popleft()
-                    if not sent.done():
-                        sent.set_exception(exc)
+                    if not written.done():
+                        written.set_exception(exc)
                     continue
                 self._backlog.popleft()
-                connection._future_of(completion, sent)  # type: ignore[arg-type]
+                if not written.done():
+                    written.set_result(completion)
             # Whoever awaits these awaited before they were written: ask for them now.
-            connection._ask_for_receipt()
+            connection._ask_receipt()
         finally:
             self._writer = None
 
@@ -632,64 +666,69 @@ class AsyncProducer:
         """Wait until every send of this producer has completed."""
         while (writer := self._writer) is not None:
             await asyncio.shield(writer)  # the sends still queued are written first
-        if self.sync._outstanding > 0:
-            await self._connection._run(self.sync.flush, timeout)
+        wait = nonblocking.flush_wait(self.sync, timeout)
+        if wait is not None:
+            await self._aio._on_loop(wait)
 
     async def close(self) -> None:
         await self.flush()
 
 
 class PendingSend:
-    """A send of ``send_nowait``: await it for the message as sent, once the broker has it."""
+    """A send of ``send_nowait``: await it for the message as sent, once the broker has it
+    (waiting as the threaded completion's ``result()`` does)."""
 
-    __slots__ = ("_completion", "_connection", "_future")
+    __slots__ = ("_aio", "_completion", "_queued_write")
 
     def __init__(
-        self, sent: SendCompletion | asyncio.Future[Message], connection: AsyncConnection
+        self, sent: SendCompletion | asyncio.Future[SendCompletion], connection: AsyncConnection
     ) -> None:
         # A send written at once keeps the driver's completion, bridged to the loop only if
         # it is awaited before it is done: most of a pipelined burst never needs to be.
         self._completion = sent if isinstance(sent, SendCompletion) else None
-        self._future = None if isinstance(sent, SendCompletion) else sent
-        self._connection = connection
+        self._queued_write = None if isinstance(sent, SendCompletion) else sent
+        self._aio = connection
 
     def __await__(self) -> Generator[Any, None, Message]:
-        if self._future is None:
-            completion = self._completion
-            assert completion is not None
-            if completion.done():
-                return _outcome(completion)
-            self._future = self._connection._future_of(completion)  # type: ignore[assignment]
-        assert self._future is not None
-        if not self._future.done():
-            # Someone waits now: the broker is asked to confirm what has not asked yet.
-            self._connection._ask_for_receipt()
-        return (yield from self._future.__await__())
+        return self._awaited().__await__()
+
+    async def _awaited(self) -> Message:
+        completion = self._written_completion()
+        if completion is None:
+            assert self._queued_write is not None
+            completion = self._completion = await self._queued_write
+        return await self._aio._completed(completion)
+
+    def _written_completion(self) -> SendCompletion | None:
+        """Its completion, once written (raises what stopped it being written)."""
+        if self._completion is None:
+            written = self._queued_write
+            assert written is not None
+            if written.done():
+                self._completion = written.result()
+        return self._completion
 
     @property
     def message(self) -> Message | None:
         """The message as sent (with its id), once it was written; None before."""
-        if self._completion is not None:
-            return self._completion.message
-        assert self._future is not None
-        if self._future.done() and not self._future.cancelled():
-            return None if self._future.exception() else self._future.result()
+        with contextlib.suppress(HaFailoverError):
+            completion = self._written_completion()
+            return None if completion is None else completion.message
         return None
 
     def done(self) -> bool:
-        if self._future is not None:
-            return self._future.done()
-        assert self._completion is not None
-        return self._completion.done()
+        try:
+            completion = self._written_completion()
+        except HaFailoverError:
+            return True
+        return completion is not None and completion.done()
 
     def result(self) -> Message:
         """The message as sent, once done; raises what the send failed with."""
-        if self._future is not None:
-            return self._future.result()
-        assert self._completion is not None
-        if not self._completion.done():
+        completion = self._written_completion()
+        if completion is None or not completion.done():
             raise asyncio.InvalidStateError("the send is not confirmed yet")
-        return _outcome(self._completion)
+        return _outcome(completion)
 
 
 def _outcome(completion: SendCompletion) -> Message:
@@ -706,7 +745,7 @@ class AsyncConsumer:
     def __init__(self, consumer: Consumer, session: AsyncSession) -> None:
         self.sync = consumer
         self.session = session
-        self._connection = session.connection
+        self._aio = session.connection
 
     @property
     def destination(self) -> Destination:
@@ -721,8 +760,8 @@ class AsyncConsumer:
         """Poison messages this consumer rejected to the dead-letter address."""
         return self.sync.rejected
 
-    def _take(self) -> Message:
-        message = self.sync._receive_now()
+    def _take_now(self) -> Message:
+        message = nonblocking.receive_now(self.sync)
         if message is None:
             raise WouldBlock
         return message
@@ -732,14 +771,14 @@ class AsyncConsumer:
         blocking the loop; None when none came. Waits through failover (F1); in AUTO,
         for the previous message's acknowledge when F6 needs it confirmed first."""
         try:
-            message = self.sync._receive_now()  # the common case: one is buffered
+            message = nonblocking.receive_now(self.sync)  # the common case: one is buffered
         except WouldBlock:
             pass
         else:
             if message is not None:
                 return message
         try:
-            return await self._connection._until(self._take, timeout)
+            return await self._aio._until(self._take_now, timeout)
         except TimeoutError:
             return None
 
@@ -757,7 +796,7 @@ class AsyncConsumer:
 
     async def close(self) -> None:
         """Stop the subscription; prefetched messages go back to the broker."""
-        await self._connection._run(self.sync.close)
+        self.sync.close()  # decided and queued under the lock: never waits
 
 
 class AsyncBrowser:
@@ -765,7 +804,7 @@ class AsyncBrowser:
 
     def __init__(self, browser: Browser, connection: AsyncConnection) -> None:
         self.sync = browser
-        self._connection = connection
+        self._aio = connection
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._messages()
@@ -773,15 +812,15 @@ class AsyncBrowser:
     async def _messages(self) -> AsyncIterator[Message]:
         iterator = iter(self.sync)
         done = object()
-        while (message := await self._connection._run(next, iterator, done)) is not done:
+        while (message := await self._aio._run(next, iterator, done)) is not done:
             assert isinstance(message, Message)
             yield message
 
     async def messages(self) -> list[Message]:
-        return await self._connection._run(self.sync.messages)
+        return await self._aio._run(self.sync.messages)
 
     async def close(self) -> None:
-        await self._connection._run(self.sync.close)
+        self.sync.close()  # never waits
 
 
 class AsyncTransactionBlock:
@@ -798,14 +837,14 @@ class AsyncTransactionBlock:
 
     def __init__(self, block: TransactionBlock, connection: AsyncConnection) -> None:
         self._block = block
-        self._connection = connection
+        self._aio = connection
 
     def __aiter__(self) -> AsyncIterator[AsyncTransactionAttempt]:
-        return self._attempts()
+        return self._each_attempt()
 
-    async def _attempts(self) -> AsyncIterator[AsyncTransactionAttempt]:
+    async def _each_attempt(self) -> AsyncIterator[AsyncTransactionAttempt]:
         for attempt in self._block:  # decides when to stop: no I/O of its own
-            yield AsyncTransactionAttempt(attempt, self._connection)
+            yield AsyncTransactionAttempt(attempt, self._aio)
 
     def __call__(self, function: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         @functools.wraps(function)
@@ -825,7 +864,7 @@ class AsyncTransactionAttempt:
 
     def __init__(self, attempt: TransactionAttempt, connection: AsyncConnection) -> None:
         self.sync = attempt
-        self._connection = connection
+        self._aio = connection
 
     @property
     def number(self) -> int:
@@ -841,22 +880,12 @@ class AsyncTransactionAttempt:
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> bool:
-        return await self._connection._run(self.sync.__exit__, kind, error, trace)
+        return await self._aio._run(self.sync.__exit__, kind, error, trace)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-def _settle(future: asyncio.Future[Message | None], completion: SendCompletion) -> None:
-    if future.done():
-        return  # its waiter was cancelled
-    error = completion.exception()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(completion.message)
 
 
 async def _logged(awaitable: Awaitable[object], what: str) -> None:

@@ -306,3 +306,41 @@ def test_an_async_transaction_block_runs_again_after_a_failover_rolled_it_back(
             assert [m.text for m in broker.stored("orders")] == ["a", "b"]
 
     run(test)
+
+
+def test_calls_that_only_wait_take_no_worker_thread(broker: FakeBroker) -> None:
+    """Sends, receives, acknowledges, recover, flush, closing a consumer and creating a
+    session while the connection fails over all wait on the loop: with the connection's
+    worker threads shut down, any of them that needed one would raise."""
+
+    async def test() -> None:
+        connection = await connected(broker)
+        try:
+            session = await connection.create_session(AckMode.CLIENT)
+            consumer = await session.create_consumer("queue://orders")  # subscribes: a worker
+            producer = (await connection.create_session()).create_producer("queue://orders")
+            connection.start()
+            connection._workers.shutdown()  # from here, a call on a worker raises
+            await producer.send("1")
+            first = await consumer.receive(5)
+            assert first is not None and first.text == "1"
+            await session.acknowledge(first)
+            slow_failover(broker, 5)
+            for thread in broker.current().lose(noticed_by=("reader",)):
+                thread.join(5)
+            assert connection.state != "connected"
+            await connection.create_session()  # waits for the failover on the loop (F1)
+            assert connection.statistics().failovers == 1
+            producer.send_nowait("2")
+            await producer.flush()
+            second = await consumer.receive(5)
+            assert second is not None and second.text == "2"
+            await session.recover()
+            again = await consumer.receive(5)
+            assert again is not None and again.text == "2"
+            await session.acknowledge()
+            await consumer.close()
+        finally:
+            connection.sync.close()
+
+    run(test)

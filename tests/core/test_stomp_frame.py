@@ -553,7 +553,11 @@ def reference_parse(data: bytes, side: Side) -> tuple[list[Event], bool]:
             end = data.find(b"\x00", i)
             if end < 0:
                 return events, True
-        if end > i and command not in BODY_COMMANDS:
+        # STOMP 1.0 allows a body on every frame: so does a CONNECT (or STOMP) that
+        # negotiates 1.0, with no accept-version header or 1.0 as the best version it names.
+        accepted = next((v for n, v in headers if n == "accept-version"), None)
+        speaks_1_0 = command in ("CONNECT", "STOMP") and negotiate_version(accepted) == "1.0"
+        if end > i and command not in BODY_COMMANDS and not speaks_1_0:
             return events, True
         events.append(Frame(command, tuple(headers), data[i:end]))
         i = end + 1

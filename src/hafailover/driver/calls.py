@@ -9,6 +9,8 @@ ended; waiting counts no time spent failing over against call_timeout. A mixin o
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -16,8 +18,10 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from hafailover.core.failover import Admission, FailoverMachine
 from hafailover.core.inflight import CallKind, SessionsCore
+from hafailover.core.waits import CallBudget, Wait
 from hafailover.destination import Destination
 from hafailover.driver.completions import Callback, SendCompletion, Waiting
+from hafailover.driver.waits import Steps, Waiter, WouldBlock, budget_of
 from hafailover.errors import (
     AcknowledgeFailedError,
     CallTimeoutError,
@@ -123,64 +127,6 @@ class WatchedCondition(threading.Condition):
         return state
 
 
-class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and hafailover.aio, not an error
-    """A call made not to block would have to wait: for the connection to come back (F1),
-    for room in the confirmation window, or for ``completion`` (a previous AUTO
-    acknowledge). Nothing was sent; the caller waits its own way and asks again. A caller
-    that waited the call timeout for ``completion`` calls ``timed_out()``, which raises
-    what a blocking call would have raised then (or returns, to wait on, while failing
-    over)."""
-
-    def __init__(
-        self,
-        completion: SendCompletion | None = None,
-        timed_out: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__("the call would block")
-        self.completion = completion
-        self.timed_out = timed_out
-
-
-class CallClock:
-    """A call's timeout, counting only time the connection is up: failing over does not
-    count (F1). Time spent failing over counts against ``failover_budget`` instead
-    (call_failover_timeout; None: no limit), as it does for a call not yet admitted. Waits
-    go in slices of at most half a second, so a change of state shows."""
-
-    __slots__ = ("_last", "_machine", "failover_left", "left")
-
-    def __init__(
-        self, budget: float, machine: FailoverMachine, failover_budget: float | None = None
-    ) -> None:
-        self.left = budget
-        self.failover_left = failover_budget
-        self._machine = machine
-        self._last = time.monotonic()
-
-    @property
-    def expired(self) -> bool:
-        return self.left <= 0
-
-    @property
-    def failover_expired(self) -> bool:
-        return self.failover_left is not None and self.failover_left <= 0
-
-    @property
-    def slice(self) -> float:
-        if self.failover_left is None:
-            return min(self.left, 0.5)
-        return max(0.0, min(self.left, self.failover_left, 0.5))
-
-    def tick(self) -> None:
-        """A slice was waited: count it against the budget of the state it was waited in."""
-        now = time.monotonic()
-        if self._machine.admit()[0] is Admission.PROCEED:
-            self.left -= now - self._last
-        elif self.failover_left is not None:
-            self.failover_left -= now - self._last
-        self._last = now
-
-
 class Calls:
     """Admission, registration and waiting; mixed into ``Connection``, whose state it uses."""
 
@@ -224,22 +170,41 @@ class Calls:
     def _admit(self, deadline: float | None, *, block: bool = True) -> Link:
         """Under the lock: wait while failing over (F1); return the link to use.
         ``block=False``: raise WouldBlock instead of waiting."""
+        return self._served(functools.partial(self._admit_now, deadline), block=block)
+
+    def _served(self, attempt: Callable[[], Link], *, block: bool) -> Link:
+        """Under the lock: ``attempt()`` until it does not raise WouldBlock, each wait it
+        raises served on this thread (``block``), or raised to the caller to serve."""
         while True:
-            admission, code = self._machine.admit()
-            if admission is Admission.PROCEED and self._link is not None:
-                return self._link
-            if admission is Admission.RAISE:
-                assert code is not None
-                raise error_for(code, f"the connection is {self._machine.state.value}")
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise CallTimeoutError(
-                    f"the connection did not come back within call_failover_timeout "
-                    f"({self.policy.call_failover_timeout}s)"
-                )
-            if not block:
-                raise WouldBlock
-            self._cond.wait(remaining)
+            try:
+                return attempt()
+            except WouldBlock as blocked:
+                wait = blocked.wait
+                if not block or wait is None:
+                    raise
+            Waiter(self, wait).block()
+
+    def _admit_now(self, deadline: float | None) -> Link:
+        """Under the lock: the link to use, or WouldBlock with the wait for the machine to
+        admit calls again, bounded by ``deadline`` (call_failover_timeout)."""
+        admission, code = self._machine.admit()
+        if admission is Admission.PROCEED and self._link is not None:
+            return self._link
+        if admission is Admission.RAISE:
+            assert code is not None
+            raise error_for(code, f"the connection is {self._machine.state.value}")
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise CallTimeoutError(
+                f"the connection did not come back within call_failover_timeout "
+                f"({self.policy.call_failover_timeout}s)"
+            )
+        raise WouldBlock(Wait(self._admission_changed, CallBudget(math.inf, remaining)))
+
+    def _admission_changed(self) -> bool:
+        """Under the lock: whether a call waiting to be admitted should look again."""
+        admission, _ = self._machine.admit()
+        return admission is not Admission.WAIT or self._closing
 
     def _failover_deadline(self) -> float | None:
         timeout = self.policy.call_failover_timeout
@@ -321,13 +286,30 @@ class Calls:
             return
         self._written(token, link, self._core.window.next_id - 1, asked=True)
 
+    def _completion_wait(
+        self, completion: SendCompletion, timeout: float | None = None
+    ) -> Wait[SendCompletion]:
+        """The wait for ``completion``: up to ``timeout`` (None: call_timeout) of time the
+        connection is up, and call_failover_timeout of time failing over (F1)."""
+        return Wait(
+            completion.done,
+            budget_of(self, timeout),
+            completion,
+            asks_receipt=True,
+            timed_out=lambda: f"the broker did not answer within {self.policy.call_timeout}s",
+        )
+
+    def _completion_steps(self, completion: SendCompletion) -> Steps[None]:
+        """``completion.result()`` as steps: its wait, then what it ended with."""
+        if not completion.done():
+            yield self._completion_wait(completion)
+        error = completion.exception()
+        if error is not None:
+            raise error
+
     def _wait_done(self, completion: SendCompletion, timeout: float | None) -> None:
         """Wait for a completion; failover time does not count against call_timeout."""
-        self._wait_until(
-            lambda: completion._done,
-            timeout,
-            lambda: f"the broker did not answer within {self.policy.call_timeout}s",
-        )
+        Waiter(self, self._completion_wait(completion, timeout)).block()
 
     def _wait_until(
         self, done: Callable[[], bool], timeout: float | None, timed_out: Callable[[], str]
@@ -336,38 +318,35 @@ class Calls:
         is missing; time spent failing over does not count against the timeout (F1), but
         against call_failover_timeout when it is set: a call already written when the
         connection was lost waits no longer for it to come back than a call not yet made."""
-        clock = CallClock(
-            self.policy.call_timeout if timeout is None else timeout,
-            self._machine,
-            self.policy.call_failover_timeout,
+        wait: Wait[SendCompletion] = Wait(
+            done, budget_of(self, timeout), asks_receipt=True, timed_out=timed_out
         )
-        with self._cond:
-            while not done():
-                self._ask_for_receipt()
-                if clock.expired:
-                    raise CallTimeoutError(timed_out())
-                if clock.failover_expired:
-                    raise CallTimeoutError(
-                        f"the connection did not come back within call_failover_timeout "
-                        f"({self.policy.call_failover_timeout}s)"
-                    )
-                self._cond.wait(clock.slice)
-                clock.tick()
+        Waiter(self, wait).block()
 
     def _wait_window_room(self, size: int, deadline: float | None, *, block: bool = True) -> Link:
         """Under the lock: admission plus window flow control (F4). ``block=False``: raise
         WouldBlock instead of waiting."""
-        while True:
-            link = self._admit(deadline, block=block)
-            if self._core.has_room(size, windowed=link.windowed):
-                return link
-            if not block:
-                raise WouldBlock
-            if not self._cond.wait(self.policy.call_timeout):
-                raise CallTimeoutError(
-                    f"the broker confirmed nothing for {self.policy.call_timeout}s while the "
-                    f"confirmation window ({self._core.window.size} bytes) was full"
-                )
+        return self._served(functools.partial(self._room_now, size, deadline), block=block)
+
+    def _room_now(self, size: int, deadline: float | None) -> Link:
+        """Under the lock: the link, admitted and with room for ``size`` bytes, or
+        WouldBlock with the wait for it."""
+        link = self._admit_now(deadline)
+        if not self._core.has_room(size, windowed=link.windowed):
+            raise WouldBlock(self._room_wait(size, windowed=link.windowed))
+        return link
+
+    def _room_wait(self, size: int, *, windowed: bool) -> Wait[SendCompletion]:
+        """The wait for room in the confirmation window (or for the link to change): the
+        broker confirming nothing for call_timeout ends it."""
+        return Wait(
+            lambda: not self._admits() or self._core.has_room(size, windowed=windowed),
+            budget_of(self),
+            timed_out=lambda: (
+                f"the broker confirmed nothing for {self.policy.call_timeout}s while the "
+                f"confirmation window ({self._core.window.size} bytes) was full"
+            ),
+        )
 
     def _subscribe(self, consumer: Consumer) -> None:
         """Start a consumer's subscription, waiting through failover (F1)."""

@@ -88,6 +88,7 @@ from hafailover.driver.events import (
 )
 from hafailover.driver.link_events import Deferred, LinkEventHandlers, run_deferred
 from hafailover.driver.notifier import Notifier, call_listener
+from hafailover.driver.waits import Steps, attempts, run_steps
 from hafailover.errors import (
     ConfigurationError,
     ConnectionClosedError,
@@ -260,13 +261,21 @@ class Connection(Calls, LinkEventHandlers):
 
     def create_session(self, ack_mode: AckMode = AckMode.AUTO) -> Session:
         """A session; ``AckMode.SESSION_TRANSACTED`` for a transacted one."""
-        from hafailover.driver.session import Session
+        return run_steps(self, self._session_steps(ack_mode))
 
+    def _session_steps(self, ack_mode: AckMode) -> Steps[Session]:
         if not isinstance(ack_mode, AckMode):
             raise ConfigurationError(f"ack_mode must be an AckMode, not {ack_mode!r}")
+        deadline = self._failover_deadline()
+        return (yield from attempts(functools.partial(self._new_session, ack_mode, deadline)))
+
+    def _new_session(self, ack_mode: AckMode, deadline: float | None) -> Session:
+        """A new session, or WouldBlock (nothing done) while failing over (F1)."""
+        from hafailover.driver.session import Session
+
         with self._cond:
             self._check_open()
-            self._admit(self._failover_deadline())  # F1: waits while failing over
+            self._admit(deadline, block=False)
             session_id = next(self._session_ids)
             session = Session(self, session_id, ack_mode, self._core.open_session)
             self._sessions[session_id] = session

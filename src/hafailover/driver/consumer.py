@@ -390,7 +390,10 @@ class Consumer:
             message = self._next() if blocking is None else None
         if blocking is not None:
             if not blocking.done():
-                raise WouldBlock(blocking, functools.partial(session._ack_timed_out, blocking))
+                raise WouldBlock(
+                    session.connection._completion_wait(blocking),
+                    functools.partial(session._ack_timed_out, blocking),
+                )
             session._confirm_last_ack()  # done: raises what it failed with, if it did
             with cond:
                 if session._ack_blocking() is not None:

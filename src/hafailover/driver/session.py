@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -45,8 +46,10 @@ from hafailover.driver.completions import SendCompletion
 from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer
 from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
+from hafailover.driver.waits import Steps, attempts, run_steps
 from hafailover.errors import (
     AcknowledgeFailedError,
+    CallTimeoutError,
     ConfigurationError,
     ConnectionClosedError,
     ErrorCode,
@@ -339,12 +342,18 @@ class Session(Transactions):
 
     def acknowledge(self) -> None:
         """CLIENT modes: acknowledge every message this session delivered (F8)."""
+        run_steps(self.connection, self._acknowledge_all_steps())
+
+    def _acknowledge_all_steps(self) -> Steps[None]:
         self._check_open()
         if not self.rules.acknowledged_by_application:
             self.rules.acknowledge_all()  # raises: not this mode's call
-        self._acknowledge_delivery(None)
+        yield from self._acknowledge_steps(None)
 
     def _acknowledge_message(self, message: Message) -> None:
+        run_steps(self.connection, self._acknowledge_message_steps(message))
+
+    def _acknowledge_message_steps(self, message: Message) -> Steps[None]:
         delivery = message.delivery
         if delivery is None:
             raise IllegalStateError("this message was not received by a session")
@@ -352,16 +361,36 @@ class Session(Transactions):
         self.rules.check_owner(delivery)
         if not self.rules.acknowledged_by_application:
             return  # JMS: acknowledge() is ignored outside CLIENT modes
-        self._acknowledge_delivery(delivery)
+        yield from self._acknowledge_steps(delivery)
 
-    def _acknowledge_delivery(self, delivery: Any | None) -> None:
-        """Acknowledge ``delivery`` (None: everything this session delivered)."""
+    def _acknowledge_steps(self, delivery: Any | None) -> Steps[None]:
+        """Acknowledge ``delivery`` (None: everything this session delivered): wait out a
+        failover, write, wait for the broker's confirmation."""
+        connection = self.connection
+        deadline = connection._failover_deadline()
+        written = yield from attempts(
+            functools.partial(self._acknowledge_written, delivery, deadline)
+        )
+        if written is None:
+            return
+        completion, tags = written
+        yield from connection._completion_steps(completion)
+        if self._dedup_pending:
+            with connection._cond:
+                self._dedup_settled(tags)
+
+    def _acknowledge_written(
+        self, delivery: Any | None, deadline: float | None
+    ) -> tuple[SendCompletion, tuple[str, ...]] | None:
+        """Write the acknowledge of ``delivery``: its completion and the tags it covers, or
+        None when there is nothing to write. WouldBlock, having done nothing, while the
+        connection fails over."""
         connection = self.connection
         with connection._cond:
             # F1 first: wait out a failover, so that the rules decide with its outcome
             # applied (a session it made dirty raises) and no delivery id of the old link
             # is written on the new one, where it names another message.
-            link = connection._admit(connection._failover_deadline())
+            link = connection._admit(deadline, block=False)
             rules = self.rules
             decision = rules.acknowledge_all() if delivery is None else rules.acknowledge(delivery)
             if decision.action is AckAction.RAISE:
@@ -376,7 +405,7 @@ class Session(Transactions):
                     "redelivered (the session recovered)",
                 )
             if decision.action is not AckAction.SEND or not decision.tags:
-                return
+                return None
             completion = SendCompletion(connection, None)
             token = connection._call(CallKind.ACK, completion, self)
             try:
@@ -392,10 +421,7 @@ class Session(Transactions):
                 # Given up: if a reattach brings them again, they are delivered again.
                 self._forget_seen(decision.tags)
                 self._dedup_forget(decision.tags)
-        completion.result()
-        if self._dedup_pending:
-            with connection._cond:
-                self._dedup_settled(decision.tags)
+        return completion, decision.tags
 
     def recover(self) -> None:
         """Redeliver every unacknowledged message; after a failover this cleans the session."""
@@ -614,23 +640,15 @@ class Session(Transactions):
             except HaFailoverError as exc:
                 self._ack_failed(completion, exc, last=last)
 
-    def _ack_timed_out(self, completion: SendCompletion) -> None:
-        """The asyncio bridge waited the call timeout for ``completion``, the acknowledge
-        F6 needed confirmed first: what a blocking receive would do then (nothing if that
-        acknowledge is no longer the one to wait for, or while failing over)."""
-        connection = self.connection
-        with connection._cond:
-            if (
-                self._ack_blocking() is not completion
-                or completion.done()
-                or not connection._admits()
-            ):
+    def _ack_timed_out(self, completion: SendCompletion, exc: CallTimeoutError) -> None:
+        """A caller that does not block waited for ``completion``, the acknowledge F6
+        needed confirmed first, until its budget ran out (``exc``): what a blocking receive
+        does then (nothing if that acknowledge is no longer the one to wait for)."""
+        with self.connection._cond:
+            if self._ack_blocking() is not completion or completion.done():
                 return
             last = self._claim_ack(completion)
-        try:
-            completion.result(0)
-        except HaFailoverError as exc:
-            self._ack_failed(completion, exc, last=last)
+        self._ack_failed(completion, exc, last=last)
 
     def _claim_ack(self, completion: SendCompletion) -> bool:
         """Under the lock: ``completion`` is about to be waited on and its outcome reported
