@@ -59,6 +59,9 @@ class FailoverMethod(enum.Enum):
     SINGLEBROKER = "singlebroker"  # retry only the broker we were connected to
     RANDOM = "random"  # a fresh random order for every pass over the list
     NOFAILOVER = "nofailover"  # never reconnect: a loss is final (DISCONNECT)
+    # the first broker is preferred: reconnects start there, and a connection elsewhere
+    # moves back to it once it answers (probed every failback_interval)
+    PRIORITY = "priority"
 
 
 # scheme -> (protocol, tls, default port)
@@ -269,6 +272,7 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
         _render_optional_duration,
         ("-1 (wait as long as failover lasts)", *_DURATION),
     ),
+    _Option("failback_interval", _parse_positive_duration, format_duration, _DURATION),
     _Option("use_topology", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("duplicate_detection", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("consumer_dedup", _parse_dedup, str, ("0 (off)", "a positive count of message ids")),
@@ -341,6 +345,7 @@ class FailoverPolicy:
     connection_ttl: float | None = 60.0
     call_timeout: float = 30.0
     call_failover_timeout: float | None = None
+    failback_interval: float = 5.0
     use_topology: bool = True
     duplicate_detection: bool = True
     consumer_dedup: int = 0

@@ -17,7 +17,10 @@ Broker order (Qpid failover methods):
   then reattach to the same server), then the next ones in list order, cycling;
 - singlebroker: only the broker the connection was on;
 - random: each pass over the list in a fresh random order;
-- nofailover: the first connection like roundrobin, and no reconnect at all.
+- nofailover: the first connection like roundrobin, and no reconnect at all;
+- priority: every reconnect starts with the first broker (the preferred one), then the
+  next ones in list order; while connected elsewhere, the driver probes the preferred
+  broker every failback_interval and ``failback_due`` says when to move back.
 
 The first connection (F12) goes to the first broker and, by default, nowhere
 else: failing over to a backup needs one successful connection first, unless
@@ -89,6 +92,19 @@ class BrokerRotation:
         return self._policy.brokers + tuple(b for b in self._learned if b.endpoint not in known)
 
     @property
+    def preferred(self) -> BrokerAddress | None:
+        """With failover_method=priority, the broker to move back to; else None."""
+        if self._policy.failover_method is FailoverMethod.PRIORITY:
+            return self._policy.brokers[0]
+        return None
+
+    def failback_due(self, connected: BrokerAddress) -> bool:
+        """Is a connection to ``connected`` away from the preferred broker (so the driver
+        probes the preferred one and moves back once it answers)?"""
+        preferred = self.preferred
+        return preferred is not None and connected.endpoint != preferred.endpoint
+
+    @property
     def current(self) -> BrokerAddress:
         return self._current
 
@@ -130,6 +146,8 @@ class BrokerRotation:
                 shuffled = list(self.brokers)
                 self._rng.shuffle(shuffled)
                 yield from shuffled
+        if method is FailoverMethod.PRIORITY:
+            yield from self._cycle(brokers, 0)
         start = next((i for i, b in enumerate(brokers) if b.endpoint == self._current.endpoint), 0)
         yield from self._cycle(brokers, start)
 
