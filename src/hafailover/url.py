@@ -43,6 +43,7 @@ __all__ = [
     "FailoverMethod",
     "FailoverPolicy",
     "Protocol",
+    "ServerListAction",
     "parse_url",
 ]
 
@@ -62,6 +63,15 @@ class FailoverMethod(enum.Enum):
     # the first broker is preferred: reconnects start there, and a connection elsewhere
     # moves back to it once it answers (probed every failback_interval)
     PRIORITY = "priority"
+
+
+class ServerListAction(enum.Enum):
+    """What the failover list a broker announces does to the known brokers (Qpid JMS
+    ``failover.amqpOpenServerListAction``)."""
+
+    ADD = "add"  # the URL's brokers, then the announced ones
+    REPLACE = "replace"  # the broker connected to, then the announced ones
+    IGNORE = "ignore"  # announcements change nothing
 
 
 # scheme -> (protocol, tls, default port)
@@ -95,6 +105,11 @@ class BrokerAddress:
     @property
     def tls(self) -> bool:
         return _SCHEMES[self.scheme][1]
+
+    @property
+    def default_port(self) -> int:
+        """The scheme's port, for an address named without one."""
+        return _SCHEMES[self.scheme][2]
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -228,6 +243,10 @@ def _render_file(value: str | None) -> str:
     return value or ""
 
 
+def _parse_server_list(text: str) -> ServerListAction:
+    return ServerListAction(text.strip().lower())
+
+
 _DURATION = tuple(DURATION_UNITS_TEXT)
 _OPTIONS: Final[tuple[_Option, ...]] = (
     _Option(
@@ -274,6 +293,12 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
     ),
     _Option("failback_interval", _parse_positive_duration, format_duration, _DURATION),
     _Option("use_topology", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
+    _Option(
+        "failover_server_list",
+        _parse_server_list,
+        lambda v: v.value,
+        tuple(a.value for a in ServerListAction),
+    ),
     _Option("duplicate_detection", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("consumer_dedup", _parse_dedup, str, ("0 (off)", "a positive count of message ids")),
     _Option(
@@ -347,6 +372,7 @@ class FailoverPolicy:
     call_failover_timeout: float | None = None
     failback_interval: float = 5.0
     use_topology: bool = True
+    failover_server_list: ServerListAction = ServerListAction.ADD
     duplicate_detection: bool = True
     consumer_dedup: int = 0
     block_on_acknowledge: bool = False
@@ -411,6 +437,11 @@ class FailoverPolicy:
     @property
     def protocol(self) -> Protocol:
         return self.brokers[0].protocol
+
+    @property
+    def server_list_action(self) -> ServerListAction:
+        """What an announced failover list does; use_topology=false ignores it."""
+        return self.failover_server_list if self.use_topology else ServerListAction.IGNORE
 
     @property
     def reattach_enabled(self) -> bool:
@@ -644,5 +675,12 @@ def parse_url(url: str) -> FailoverPolicy:
             f"reconnect_attempts={options['reconnect_attempts']}",
             option="reconnect_attempts",
             accepted=["0 with nofailover", "another failover_method"],
+        )
+    action = options.get("failover_server_list")
+    if options.get("use_topology") is False and action not in (None, ServerListAction.IGNORE):
+        raise InvalidURLError(
+            f"use_topology=false contradicts failover_server_list={action.value}",
+            option="failover_server_list",
+            accepted=["ignore with use_topology=false", "use_topology=true"],
         )
     return FailoverPolicy(brokers=tuple(brokers), given=frozenset(options), **options)

@@ -518,6 +518,17 @@ class Connection(Calls, LinkEventHandlers):
             probe.close()
         return True
 
+    def link_redirected(self, link: Link, host: str, port: int | None) -> None:
+        """The broker of ``link`` (the connection's, or one an attempt is opening) sent the
+        client elsewhere (AMQP ``amqp:connection:redirect``): the next attempt goes there.
+        The link's loss follows and fails over as any loss does."""
+        with self._cond:
+            if link is not self._link and link is not self._opening:
+                return
+            target = self._schedule.rotation.redirect(host, port)
+            source = link.broker.redacted()
+        log.warning("%s redirects the client to %s", source, target.redacted())
+
     def _run_reconnect(self) -> None:
         """The reconnect thread. However the schedule ends short of success (attempts used
         up, an error no retry can fix, close(), a bug), the machine hears Exhausted: pending
@@ -709,6 +720,9 @@ class _ProbeEvents:
         pass
 
     def link_lost(self, link: Link, reason: str) -> None:
+        pass
+
+    def link_redirected(self, link: Link, host: str, port: int | None) -> None:
         pass
 
     def link_output(self, link: Link, flush: Callable[[], None]) -> None:

@@ -106,6 +106,7 @@ from hafailover.protocols.base import (
     TlsOptions,
     detects_duplicates,
     parse_failover_server_list,
+    parse_redirect,
     parse_topology,
 )
 from hafailover.url import BrokerAddress
@@ -122,6 +123,7 @@ log = logging.getLogger(__name__)
 
 TOPOLOGY_PROPERTY: Final = symbol("hafailover-topology")
 FAILOVER_SERVER_LIST: Final = symbol("failover-server-list")
+REDIRECT: Final = "amqp:connection:redirect"
 _PRODUCT: Final = symbol("product")
 
 _TEMP_QUEUE_PREFIX: Final = "temp-queue://"
@@ -160,6 +162,11 @@ class AmqpEvents(Protocol):
     def on_lost(self, reason: str) -> None: ...
 
     def on_browse_end(self, subscription: str) -> None: ...
+
+    def on_redirect(self, host: str, port: int | None) -> None:
+        """The broker closed the connection with ``amqp:connection:redirect`` (before the
+        loss or the failed open it ends in)."""
+        ...
 
 
 def _client_domain(tls: TlsOptions, broker: BrokerAddress) -> SSLDomain:
@@ -824,6 +831,10 @@ class AmqpEngine:
         self._dead = True
         if self.state in (_State.OPENING, _State.OPEN):
             self.state = _State.ENDING
+        if condition is not None and condition.name == REDIRECT and not self._closing:
+            target = parse_redirect(condition.info)
+            if target is not None:
+                self._emit(self.events.on_redirect, *target)
         opening = self._opening
         self._opening = None
         if opening is not None:

@@ -177,3 +177,6 @@ class _AmqpEvents:
 
     def on_browse_end(self, subscription: str) -> None:
         self._events.link_browse_end(self._link, subscription)
+
+    def on_redirect(self, host: str, port: int | None) -> None:
+        self._events.link_redirected(self._link, host, port)
