@@ -436,6 +436,7 @@ class AsyncSession:
         prefetch: int = DEFAULT_PREFETCH,
         reliability: LinkReliability | None = None,
         dedup: int | None = None,
+        dedup_file: str | None = None,
     ) -> AsyncConsumer:
         consumer = await self.connection._run(
             self.sync.create_consumer,
@@ -444,6 +445,7 @@ class AsyncSession:
             prefetch=prefetch,
             reliability=reliability,
             dedup=dedup,
+            dedup_file=dedup_file,
         )
         return AsyncConsumer(consumer, self)
 

@@ -243,6 +243,19 @@ def _render_file(value: str | None) -> str:
     return value or ""
 
 
+def _parse_new_file(text: str) -> str | None:
+    """A file the client writes (it may not exist yet, its directory must); empty for none."""
+    path = text.strip()
+    if not path:
+        return None
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"no such directory: {directory}")
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory")
+    return path
+
+
 def _parse_server_list(text: str) -> ServerListAction:
     return ServerListAction(text.strip().lower())
 
@@ -301,6 +314,12 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
     ),
     _Option("duplicate_detection", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("consumer_dedup", _parse_dedup, str, ("0 (off)", "a positive count of message ids")),
+    _Option(
+        "consumer_dedup_file",
+        _parse_new_file,
+        _render_file,
+        ("the path of a file in an existing directory",),
+    ),
     _Option(
         "block_on_acknowledge", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE
     ),
@@ -375,6 +394,7 @@ class FailoverPolicy:
     failover_server_list: ServerListAction = ServerListAction.ADD
     duplicate_detection: bool = True
     consumer_dedup: int = 0
+    consumer_dedup_file: str | None = None
     block_on_acknowledge: bool = False
     ssl_ca_file: str | None = None
     ssl_cert_file: str | None = None
@@ -425,6 +445,12 @@ class FailoverPolicy:
                 f"{given[0]} is for TLS brokers, and none of these is",
                 option=given[0],
                 accepted=["stomp+ssl://", "amqps://"],
+            )
+        if self.consumer_dedup_file is not None and self.consumer_dedup == 0:
+            raise InvalidURLError(
+                "consumer_dedup_file keeps the duplicate window, and consumer_dedup=0 has none",
+                option="consumer_dedup",
+                accepted=["a positive count of message ids with consumer_dedup_file"],
             )
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
             missing = "ssl_key_file" if self.ssl_key_file is None else "ssl_cert_file"

@@ -305,6 +305,8 @@ class Connection(Calls, LinkEventHandlers):
                 link.close()
         for session in sessions:
             session._join()
+            for consumer in list(session._consumers.values()):
+                consumer._release_dedup_file()
         self._notifier.stop()
 
     # --- opening and failing over -----------------------------------------------------------

@@ -11,18 +11,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from hafailover.ack_modes import AckAction
-from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at
+from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at, replay
 from hafailover.core.failover import Admission
 from hafailover.core.inflight import CallKind
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
 from hafailover.driver.completions import SendCompletion
+from hafailover.driver.dedup_file import DedupFile
 from hafailover.errors import (
     AcknowledgeFailedError,
     ConnectionClosedError,
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PREFETCH", "Consumer"]
 
+log = logging.getLogger("hafailover")
+
 DEFAULT_PREFETCH: Final = 100
 
 
@@ -54,6 +58,7 @@ class Consumer:
         selector: str | None = None,
         *,
         dedup: int = 0,
+        dedup_file: DedupFile | None = None,
     ) -> None:
         self.session = session
         self.selector = selector
@@ -69,8 +74,22 @@ class Consumer:
         self._closed = False
         self._on_link = 0  # serial of the link this consumer is subscribed on
         self._subscribed: SendCompletion | None = None  # the broker's answer to subscribing
-        # Consumer-side duplicate suppression (dedup.py): None when off.
-        self._dedup = DuplicateWindow(dedup) if dedup else None
+        # Consumer-side duplicate suppression (dedup.py): None when off; kept in
+        # ``dedup_file`` across restarts when one is given.
+        self._dedup_file = dedup_file
+        self._dedup: DuplicateWindow | None = None
+        if dedup:
+            kept: tuple[str, ...] = ()
+            if dedup_file is not None:
+                kept, skipped = replay(dedup_file.read(), dedup)
+                if skipped:
+                    log.warning(
+                        "%s: skipped %d damaged record(s) (a torn write); kept %d id(s)",
+                        dedup_file.path,
+                        skipped,
+                        len(kept),
+                    )
+            self._dedup = DuplicateWindow(dedup, journal=dedup_file, kept=kept)
         self._remembered_at = remembered_at(session.ack_mode)
         # Ids delivered and not yet acknowledged or committed: a copy of one is dropped too,
         # since the application holds the first (which the broker redelivers if its
@@ -416,7 +435,14 @@ class Consumer:
             if link is not None:
                 with contextlib.suppress(HaFailoverError):
                     link.unsubscribe(self.subscription)
+            self._release_dedup_file()
             connection._cond.notify_all()
+
+    def _release_dedup_file(self) -> None:
+        """Close the duplicate window's file (and let go of its lock)."""
+        dedup_file, self._dedup_file = self._dedup_file, None
+        if dedup_file is not None:
+            dedup_file.close()
 
     def __iter__(self) -> Iterator[Message]:
         """Messages as they come, forever (use receive() for a timeout)."""

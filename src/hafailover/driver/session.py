@@ -34,6 +34,7 @@ from hafailover.driver.browser import Browser
 from hafailover.driver.calls import error_for
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer
+from hafailover.driver.dedup_file import DedupFile
 from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
 from hafailover.errors import (
@@ -127,11 +128,13 @@ class Session(Transactions):
         prefetch: int = DEFAULT_PREFETCH,
         reliability: LinkReliability | None = None,
         dedup: int | None = None,
+        dedup_file: str | None = None,
     ) -> Consumer:
         """A consumer of a queue, topic or temporary queue. ``reliability`` (Qpid's link
         reliability) must agree with the session's ack mode (F14). ``dedup``: how many
         acknowledged message ids it remembers to drop duplicates (0 off; None: the URL's
-        ``consumer_dedup``)."""
+        ``consumer_dedup``). ``dedup_file``: the file that keeps those ids across restarts
+        (None: the URL's ``consumer_dedup_file``), one per consumer."""
         self._check_open()
         if dedup is None:
             dedup = self.connection.policy.consumer_dedup
@@ -145,10 +148,16 @@ class Session(Transactions):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigurationError(f"prefetch must be a whole number >= 1, not {prefetch!r}")
         target = parse_destination(destination)
+        if dedup_file is not None and not dedup:
+            raise ConfigurationError("dedup_file keeps the duplicate window, and dedup=0 has none")
+        path = dedup_file if dedup_file is not None else self.connection.policy.consumer_dedup_file
+        journal = DedupFile(path) if path is not None and dedup else None
         connection = self.connection
         with connection._cond:
             subscription = f"sub-{next(connection._subscription_ids)}"
-            consumer = Consumer(self, subscription, target, prefetch, selector, dedup=dedup)
+            consumer = Consumer(
+                self, subscription, target, prefetch, selector, dedup=dedup, dedup_file=journal
+            )
             self._consumers[subscription] = consumer
         connection._subscribe(consumer)
         while True:
