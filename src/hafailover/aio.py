@@ -696,6 +696,9 @@ class AsyncConsumer:
         """The next message, waiting up to ``timeout`` seconds (None: forever) without
         blocking the loop; None when none came. Waits through failover (F1); in AUTO,
         for the previous message's acknowledge when F6 needs it confirmed first."""
+        if self.sync.prefetch == 0:
+            # Zero prefetch: credit only while a receive waits, so one waits in a thread.
+            return await self._connection._run(self.sync.receive, timeout)
         try:
             message = self.sync._receive_now()  # the common case: one is buffered
         except WouldBlock:

@@ -27,6 +27,7 @@ from hafailover.driver.completions import SendCompletion
 from hafailover.driver.dedup_file import DedupFile
 from hafailover.errors import (
     AcknowledgeFailedError,
+    ConfigurationError,
     ConnectionClosedError,
     HaFailoverError,
     IllegalStateError,
@@ -337,7 +338,10 @@ class Consumer:
         started = tracing.started()
         deadline = None if timeout is None else time.monotonic() + timeout
         cond = connection._cond
+        pulls = self.prefetch == 0  # zero prefetch: credit only while this waits (core/pull.py)
+        drain_from: Link | None = None
         while True:
+            drain = False
             with cond:
                 if session._ack_blocking() is None:
                     message = self._next()
@@ -345,14 +349,44 @@ class Consumer:
                         break
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        return None
-                    cond.wait(remaining if remaining is not None else 1.0)
-                    continue
+                        if not pulls:
+                            return None
+                        drain, drain_from = True, connection._admitted_link()
+                    else:
+                        if pulls:
+                            self._pull()
+                        cond.wait(remaining if remaining is not None else 1.0)
+                        continue
+            if drain:
+                # Outside the lock: take the credit back; a message the broker sent with it
+                # arrives first, and this receive returns it.
+                message = self._drain(drain_from)
+                if message is None:
+                    return None
+                break
             # Outside the lock: it may wait for an acknowledge (F6), or raise its failure.
             if not session._confirm_last_ack(deadline):
                 return None
         self._hand_out(message, started)
         return message
+
+    def _pull(self) -> None:
+        """Under the lock: a pull consumer's receive waits; one credit on the current link
+        (again on a new one after a failover, whose recreation attached with none)."""
+        link = self.session.connection._admitted_link()
+        if link is None or self._closed or self._on_link != link.serial:
+            return  # failing over: the receive waits, and pulls on the new link
+        with contextlib.suppress(HaFailoverError):
+            link.pull(self.subscription)  # a lost link: the failover comes, then a new pull
+
+    def _drain(self, link: Link | None) -> Message | None:
+        """Without the lock: the pull's credit back from ``link``; the message it brought,
+        if one came meanwhile."""
+        if link is not None and self._on_link == link.serial:
+            with contextlib.suppress(HaFailoverError):
+                link.drain(self.subscription)
+        with self.session.connection._cond:
+            return self._next()
 
     def _receive_now(self) -> Message | None:
         """The next message if one can be handed out without waiting, else None; raises
@@ -416,6 +450,11 @@ class Consumer:
 
     def set_message_listener(self, listener: Callable[[Message], None] | None) -> None:
         """Deliver messages to ``listener`` on the session's thread instead of receive()."""
+        if listener is not None and self.prefetch == 0:
+            raise ConfigurationError(
+                "a message listener always waits for the next message, so prefetch=0 would "
+                "hold one ahead like prefetch=1: use receive(), or a consumer with prefetch=1"
+            )
         with self.session.connection._cond:
             self._listener = listener
             if listener is not None:

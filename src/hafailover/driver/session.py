@@ -28,6 +28,7 @@ from hafailover.ack_modes import (
     check_link_reliability,
 )
 from hafailover.core.inflight import CallKind
+from hafailover.core.pull import prefetch_refusal
 from hafailover.destination import Destination, parse_destination
 from hafailover.driver import tracing
 from hafailover.driver.browser import Browser
@@ -145,8 +146,9 @@ class Session(Transactions):
             "stomp"
         ):
             raise ConfigurationError("message selectors are supported on STOMP connections only")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ConfigurationError(f"prefetch must be a whole number >= 1, not {prefetch!r}")
+        refusal = prefetch_refusal(prefetch, self.connection.policy.protocol)
+        if refusal is not None:
+            raise ConfigurationError(refusal)
         target = parse_destination(destination)
         if dedup_file is not None and not dedup:
             raise ConfigurationError("dedup_file keeps the duplicate window, and dedup=0 has none")

@@ -209,6 +209,16 @@ class Link(Protocol):
         has it, or failed with the broker's refusal."""
         ...
 
+    def pull(self, subscription: str) -> None:
+        """A receive of a zero-prefetch consumer waits: ask for one message (a link that
+        cannot is never asked: ``core/pull.py`` refuses prefetch=0 on its protocol)."""
+        ...
+
+    def drain(self, subscription: str) -> None:
+        """That receive ended without one: take the request back; returns once the broker
+        has sent the message or given the request back (blocking)."""
+        ...
+
     def unsubscribe(self, subscription: str) -> None: ...
 
     def browse(self, subscription: str, queue: Destination) -> None:

@@ -85,7 +85,7 @@ class AmqpLink:
             self._transport.subscribe(
                 subscription,
                 destination,
-                credit=max(1, prefetch),
+                credit=prefetch,  # 0: credit only while a receive waits (pull)
                 settle_on_delivery=not acknowledged,
             )
         except RemoteError as exc:
@@ -98,6 +98,12 @@ class AmqpLink:
             error = exc
         if token is not None:
             self.events.link_completed(self, token, error)
+
+    def pull(self, subscription: str) -> None:
+        self._transport.pull(subscription)
+
+    def drain(self, subscription: str) -> None:
+        self._transport.drain(subscription)
 
     def unsubscribe(self, subscription: str) -> None:
         self._transport.unsubscribe(subscription)
