@@ -40,8 +40,11 @@ lint: $(STAMPS)/venv
 typecheck: $(STAMPS)/venv
 	$(VENV)/bin/mypy
 
+# Two workers (pytest-xdist); tests/conftest.py keeps the RabbitMQ and Spark tests each on
+# one worker. PYTEST_WORKERS=0 runs everything in this process, in collection order.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMPS)/venv fault-tools
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 # The network-fault tests (tests/faults) need iproute2 (ip, nsenter is util-linux) and
 # iptables; as root they are installed from Debian when missing (non-interactive, safe to

@@ -170,6 +170,8 @@ QUEUE_PREFIX: Final = "queue://"
 TOPIC_PREFIX: Final = "topic://"
 TEMP_QUEUE_PREFIX: Final = "temp-queue://"
 _SEPARATOR: Final = "::"
+# The subscription name of a shared subscription that is not durable starts with this.
+_SHARED_PREFIX: Final = "~shared."
 _PREFIXES: Final = (QUEUE_PREFIX, TOPIC_PREFIX, TEMP_QUEUE_PREFIX)
 
 # Names and duplicate ids are written as u16-length UTF-8 (records.py); a UTF-8 character
@@ -642,6 +644,7 @@ class Engine:
         self._expired = 0
         self._duplicates_dropped = 0
         self._refusal: str | None = None  # why new persistent messages are refused, if they are
+        self._exclusive: set[int] = set()  # consumers alone on their subscription by right
 
     @property
     def config(self) -> EngineConfig:
@@ -934,6 +937,8 @@ class Engine:
         credit: int | None = None,
         window: int | None = None,
         subscription: str | None = None,
+        exclusive: bool = False,
+        shared_name: str | None = None,
     ) -> int:
         """Create a consumer and return its id.
 
@@ -942,7 +947,11 @@ class Engine:
         own, deleted when it closes, or with `subscription` the durable subscription of that
         name, created if needed and shared by every consumer that names it.
         `credit` is AMQP link credit (spent per delivery), `window` the most unsettled
-        deliveries it may hold (STOMP prefetch); None is unlimited.
+        deliveries it may hold (STOMP prefetch); None is unlimited. `exclusive`: the
+        consumer must be the subscription's only active one (a JMS durable subscription
+        that is not shared), and no other may join it while it is. `shared_name`: on a
+        topic, the shared subscription of that name that is not durable (never journaled,
+        deleted with its last consumer).
         """
         self._connection(connection_id)
         if credit is not None and credit < 0:
@@ -950,7 +959,9 @@ class Engine:
         if window is not None and window < 1:
             raise InvalidRequestError(f"window must be at least 1 or None, not {window}")
         consumer_id = self._next_consumer_id
-        if subscription is not None:
+        if shared_name is not None:
+            queue = self._shared_subscription(address, shared_name, subscription)
+        elif subscription is not None:
             _check_name(address, TOPIC_PREFIX, "durable subscription address")
             if not subscription or subscription.startswith("~"):
                 raise InvalidRequestError(
@@ -989,6 +1000,7 @@ class Engine:
             raise ResourceLockedError(
                 f"temporary queue {queue.name} can only be consumed by the connection that owns it"
             )
+        self._check_exclusive(queue, exclusive=exclusive)
         self._next_consumer_id += 1
         consumer = _Consumer(
             consumer_id,
@@ -998,12 +1010,64 @@ class Engine:
             _UNLIMITED if credit is None else credit,
             _UNLIMITED if window is None else window,
         )
+        if exclusive:
+            self._exclusive.add(consumer_id)
         queue.consumers.append(consumer)
         self._connections[connection_id].consumers[consumer_id] = None
         self._consumers[consumer_id] = consumer
         if queue.size:
             self._dirty.add(queue)
         return consumer_id
+
+    # --- named subscriptions (JMS durable and shared) -----------------------------------------
+
+    def _shared_subscription(self, address: str, name: str, durable_name: str | None) -> _Queue:
+        """The queue of the shared subscription `name` that is not durable, created on first
+        use as `<topic>::~shared.<name>`: a name no durable subscription can take (theirs
+        may not start with '~')."""
+        _check_name(address, TOPIC_PREFIX, "shared subscription address")
+        if durable_name is not None:
+            raise InvalidRequestError("a subscription is durable or shared-not-durable, not both")
+        if not name or _SEPARATOR in name:
+            raise InvalidRequestError(f"shared subscription name {name!r} must be non-empty")
+        queue_name = f"{address}{_SEPARATOR}{_SHARED_PREFIX}{name}"
+        queue = self._queues.get(queue_name)
+        if queue is None:
+            if len(queue_name) > _MAX_NAME_CHARS:
+                raise InvalidRequestError(
+                    f"subscription queue name is {len(queue_name)} characters, over "
+                    f"{_MAX_NAME_CHARS}"
+                )
+            queue = self._create_queue(queue_name, address, durable=False)
+        return queue
+
+    def _last_of_shared(self, queue: _Queue) -> bool:
+        """Whether `queue` is a shared subscription that is not durable and has just lost
+        its last consumer (it goes, with what it held, as a non-durable one does)."""
+        return (
+            not queue.durable
+            and not queue.consumers
+            and queue.name.startswith(f"{queue.address}{_SEPARATOR}{_SHARED_PREFIX}")
+        )
+
+    def _check_exclusive(self, queue: _Queue, *, exclusive: bool) -> None:
+        """JMS: a durable subscription that is not shared has one active consumer. Paused
+        consumers (a session held for reattach) do not count: they get nothing."""
+        active = [c for c in queue.consumers if not c.paused]
+        if not active:
+            return
+        if exclusive or any(c.id in self._exclusive for c in active):
+            raise ResourceLockedError(
+                f"subscription {queue.name} already has an active consumer, and it is not shared"
+            )
+
+    def subscription_topic(self, name: str) -> str | None:
+        """The topic of the durable subscription `name`, if there is one."""
+        suffix = f"{_SEPARATOR}{name}"
+        for queue_name, queue in self._queues.items():
+            if queue.durable and queue_name == f"{queue.address}{suffix}":
+                return queue.address
+        return None
 
     def close_consumer(self, consumer_id: int) -> None:
         """Close a consumer; its unsettled deliveries go back to the queue as failed attempts
@@ -1015,7 +1079,8 @@ class Engine:
         self._detach(queue, consumer)
         entries = list(consumer.unacked.values())
         consumer.unacked.clear()
-        if queue.subscriber == consumer_id:
+        self._exclusive.discard(consumer_id)
+        if queue.subscriber == consumer_id or self._last_of_shared(queue):
             self._delete_queue(queue)
         elif entries:
             self._finish(queue, entries, Outcome.FAILED)

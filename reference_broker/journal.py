@@ -16,8 +16,8 @@ Segment file ``journal-NNNNNNNN.seg`` (N: segment number, decimal, at least 8 di
 
     offset  size  field
     0       8     magic b"HAFJRNL\\0"
-    8       2     format version (1)
-    10      2     reserved, 0
+    8       2     format version (2)
+    10      2     content format: the owner's version of what its records mean (`content_format`)
     12      8     segment number, equal to the one in the file name
     20      8     prev_seq: highest sequence number assigned before this segment was created
     28      4     CRC32 of bytes 0..27
@@ -45,6 +45,19 @@ whole (header written to a .tmp file, fsynced, renamed, directory fsynced),
 so a segment file with a missing or short header did not come from a crash under a durable policy;
 a .tmp file left by a crash is deleted at open. Compaction rewrites a segment the same way.
 
+Formats
+-------
+The format version says how segments and records are framed; the content format, chosen by the
+owner, says how it encodes its payloads (the broker passes the version of reference_broker.records),
+so that code never reads records written by code that encodes them otherwise. Every segment
+this journal creates or rewrites carries both. `Journal.open` checks both in every segment
+before it reads a record, and refuses a segment of another format version or content format
+with `JournalFormatError`, naming the file and both versions; that is not damage, so `salvage`
+never sets such a segment aside. Version 1 segments, written before the content format existed
+(bytes 10..11 were reserved), are *unversioned*: opened only when the owner says it reads them
+(`reads_unversioned`), and never appended to (the journal starts a new segment at open), so
+that an unversioned segment holds only what was written before versions existed.
+
 Recovery rule
 -------------
 Segments are read in number order, whole, and every record is checked: length in bounds,
@@ -59,7 +72,7 @@ above its header's prev_seq, and prev_seq never below the previous segment's las
 - Anything else is corruption: a bad record in any earlier segment, a bad record followed by a
   valid one, a record with a good checksum but type 0 or a sequence number that does not rise
   (written whole, so no tear), or a bad segment header (empty file, short header, wrong magic,
-  version, number, checksum). `Journal.open` raises `JournalCorruptError` naming the file and
+  number, checksum). `Journal.open` raises `JournalCorruptError` naming the file and
   byte offset. With `salvage=True` it keeps the records before the damage and drops the rest:
   the damaged segment is copied to ``<name>.corrupt`` and truncated (or renamed aside whole if
   its header is bad), later segments are renamed to ``<name>.corrupt``, and `recovery.salvaged`
@@ -111,6 +124,7 @@ __all__ = [
     "JournalClosedError",
     "JournalCorruptError",
     "JournalError",
+    "JournalFormatError",
     "JournalFullError",
     "JournalLockedError",
     "JournalSequenceError",
@@ -120,11 +134,14 @@ __all__ = [
     "SegmentInfo",
     "SyncMode",
     "SyncPolicy",
+    "check_format",
 ]
 
 MAGIC = b"HAFJRNL\x00"
-FORMAT_VERSION = 1
-_SEGMENT_HEAD = struct.Struct("<8sHHQQ")  # magic, version, reserved, number, prev_seq
+FORMAT_VERSION = 2
+UNVERSIONED = 1  # the format version before segments said their content format
+_SEGMENT_HEAD = struct.Struct("<8sHHQQ")  # magic, version, content format, number, prev_seq
+MAX_CONTENT_FORMAT = 0xFFFF
 _RECORD_FIELDS = struct.Struct("<IBQ")  # payload length, type, sequence number
 _RECORD_HEAD = struct.Struct("<IBQH")  # the fields and their 16-bit check
 _CHECK = struct.Struct("<H")
@@ -164,6 +181,22 @@ class JournalCorruptError(JournalError, ValueError):
         self.path = path
         self.offset = offset
         self.reason = reason
+
+
+class JournalFormatError(JournalError, ValueError):
+    """A segment written in another format, or another content format, than this journal
+    reads: written by other code. Not damage: never salvaged, and never read."""
+
+    code = "FORMAT"
+
+    def __init__(self, path: Path, found: str, expected: str) -> None:
+        super().__init__(
+            f"{path}: written in {found}, but this journal reads {expected}: it was written by "
+            f"another version of the code; run that version, or move the journal aside"
+        )
+        self.path = path
+        self.found = found
+        self.expected = expected
 
 
 class JournalUsageError(JournalError, ValueError):
@@ -321,8 +354,8 @@ def _segment_name(number: int) -> str:
     return f"journal-{number:08d}.seg"
 
 
-def _segment_header(number: int, prev_seq: int) -> bytes:
-    head = _SEGMENT_HEAD.pack(MAGIC, FORMAT_VERSION, 0, number, prev_seq)
+def _segment_header(number: int, prev_seq: int, content_format: int) -> bytes:
+    head = _SEGMENT_HEAD.pack(MAGIC, FORMAT_VERSION, content_format, number, prev_seq)
     return head + _CRC.pack(zlib.crc32(head))
 
 
@@ -429,18 +462,73 @@ def _valid_record_from(buf: bytes, start: int, after_seq: int) -> int | None:
     return None
 
 
+def _format_name(version: int, content_format: int) -> str:
+    if version == UNVERSIONED:
+        return f"journal format {version} (unversioned: written before content formats)"
+    return f"journal format {version}, content format {content_format}"
+
+
+def _check_format(
+    path: Path, buf: bytes, content_format: int, *, reads_unversioned: bool
+) -> int | None:
+    """The format version of a segment whose header is whole and sealed (None otherwise: the
+    header check names the damage); JournalFormatError if this journal does not read it."""
+    if len(buf) < SEGMENT_HEADER_SIZE:
+        return None
+    magic, version, found, _, _ = _SEGMENT_HEAD.unpack_from(buf)
+    if magic != MAGIC:
+        return None
+    if zlib.crc32(buf[: _SEGMENT_HEAD.size]) != _CRC.unpack_from(buf, _SEGMENT_HEAD.size)[0]:
+        return None
+    readable = version == FORMAT_VERSION and found == content_format
+    if version == UNVERSIONED and found == 0 and reads_unversioned:
+        readable = True
+    if not readable:
+        expected = _format_name(FORMAT_VERSION, content_format)
+        if reads_unversioned:
+            expected += f" (and {_format_name(UNVERSIONED, 0)})"
+        raise JournalFormatError(path, _format_name(version, found), expected)
+    return int(version)
+
+
+def check_format(
+    directory: str | os.PathLike[str], content_format: int, *, reads_unversioned: bool = False
+) -> None:
+    """Raise JournalFormatError if a segment in `directory` is of a format `Journal.open`
+    with the same arguments would refuse. Reads only the segments' headers, takes no lock and
+    changes nothing: a check before anything else runs (a missing directory passes)."""
+    _check_content_format(content_format)
+    path = Path(directory)
+    if not path.is_dir():
+        return
+    for name in sorted(os.listdir(path)):
+        if _SEGMENT_NAME.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):  # compacted away meanwhile
+                with (path / name).open("rb") as file:
+                    head = file.read(SEGMENT_HEADER_SIZE)
+                _check_format(
+                    path / name, head, content_format, reads_unversioned=reads_unversioned
+                )
+
+
+def _check_content_format(content_format: int) -> None:
+    if not (isinstance(content_format, int) and 0 <= content_format <= MAX_CONTENT_FORMAT):
+        raise JournalUsageError(
+            f"content_format must be an int in 0..{MAX_CONTENT_FORMAT}, got {content_format!r}"
+        )
+
+
 def _check_header(buf: bytes, number: int, min_prev_seq: int) -> tuple[int, int, str | None]:
-    """Return (prev_seq, offset, problem) for a segment's header; problem None if it is good."""
+    """Return (prev_seq, offset, problem) for a segment's header whose format was checked
+    (`_check_format`); problem None if it is good."""
     if len(buf) < SEGMENT_HEADER_SIZE:
         what = "empty segment file" if not buf else f"segment header cut at {len(buf)} bytes"
         return 0, 0, f"{what} (a header is {SEGMENT_HEADER_SIZE} bytes)"
-    magic, version, _, head_number, prev_seq = _SEGMENT_HEAD.unpack_from(buf)
+    magic, _, _, head_number, prev_seq = _SEGMENT_HEAD.unpack_from(buf)
     if magic != MAGIC:
         return 0, 0, "bad magic: not a journal segment"
     if zlib.crc32(buf[: _SEGMENT_HEAD.size]) != _CRC.unpack_from(buf, _SEGMENT_HEAD.size)[0]:
         return 0, _SEGMENT_HEAD.size, "segment header checksum mismatch"
-    if version != FORMAT_VERSION:
-        return 0, 8, f"unsupported journal format version {version}"
     if head_number != number:
         return 0, 12, f"header says segment {head_number}, the file name says {number}"
     if prev_seq < min_prev_seq:
@@ -559,8 +647,10 @@ class Journal:
         next_number: int,
         recovery: RecoveryReport,
         file: BinaryIO,
+        content_format: int,
     ) -> None:
         self._directory = directory
+        self._content_format = content_format
         self._segment_size = segment_size
         self._policy = policy
         self._lock_fd: int | None = lock_fd
@@ -582,14 +672,22 @@ class Journal:
         segment_size: int = DEFAULT_SEGMENT_SIZE,
         sync: SyncPolicy = _ALWAYS,
         salvage: bool = False,
+        content_format: int = 0,
+        reads_unversioned: bool = False,
     ) -> Journal:
         """Open (creating if needed) and recover the journal in `directory`.
 
-        Raises JournalCorruptError for damage that is not a torn tail unless `salvage` is
-        set, and JournalLockedError if another open journal holds the directory.
+        `content_format` (0..65535) is the version of the owner's payload encoding: written
+        into every segment made, required of every segment read; `reads_unversioned`: the
+        owner reads segments written before content formats (see "Formats").
+
+        Raises JournalFormatError for a segment of another format (whatever `salvage`),
+        JournalCorruptError for damage that is not a torn tail unless `salvage` is set, and
+        JournalLockedError if another open journal holds the directory.
         """
         if segment_size < SEGMENT_HEADER_SIZE + RECORD_OVERHEAD:
             raise JournalUsageError(f"segment_size {segment_size} is too small")
+        _check_content_format(content_format)
         path = Path(directory)
         if not path.is_dir():
             path.mkdir(mode=PRIVATE_DIRECTORY, parents=True)
@@ -597,14 +695,30 @@ class Journal:
                 sync_directory(path.parent)  # or a crash can lose the new directory itself
         lock_fd = _lock_directory(path)
         try:
-            return cls._recover(path, segment_size, sync, lock_fd, salvage=salvage)
+            return cls._recover(
+                path,
+                segment_size,
+                sync,
+                lock_fd,
+                salvage=salvage,
+                content_format=content_format,
+                reads_unversioned=reads_unversioned,
+            )
         except BaseException:
             os.close(lock_fd)
             raise
 
     @classmethod
     def _recover(
-        cls, directory: Path, segment_size: int, policy: SyncPolicy, lock_fd: int, *, salvage: bool
+        cls,
+        directory: Path,
+        segment_size: int,
+        policy: SyncPolicy,
+        lock_fd: int,
+        *,
+        salvage: bool,
+        content_format: int,
+        reads_unversioned: bool,
     ) -> Journal:
         durable = policy.durable
         found: list[tuple[int, Path]] = []
@@ -615,6 +729,17 @@ class Journal:
                 # A segment being created or rewritten when the process died: never renamed in.
                 (directory / name).unlink()
         found.sort()
+        # Every format first: a journal of other code is refused before anything is changed
+        # (a torn tail cut, a segment salvaged), as a whole, and before a record is read.
+        versions = [
+            _check_format(
+                path,
+                _read_head(path),
+                content_format,
+                reads_unversioned=reads_unversioned,
+            )
+            for _, path in found
+        ]
 
         segments: list[_Segment] = []
         last_seq = 0
@@ -660,7 +785,9 @@ class Journal:
             sync_directory(directory)
 
         next_number = found[-1][0] + 1 if found else 1
-        if segments:
+        # Appends never go into an unversioned segment: it holds only what older code wrote.
+        unversioned_tail = bool(segments) and versions[len(segments) - 1] == UNVERSIONED
+        if segments and not unversioned_tail:
             active = segments[-1]
             file = open(active.path, "r+b", buffering=_WRITE_BUFFER)  # noqa: SIM115 - kept open
             file.seek(active.size)
@@ -670,7 +797,12 @@ class Journal:
         else:
             try:
                 active, file = _create_segment(
-                    directory, next_number, last_seq, durable=durable, preallocate=segment_size
+                    directory,
+                    next_number,
+                    last_seq,
+                    content_format,
+                    durable=durable,
+                    preallocate=segment_size,
                 )
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
@@ -686,7 +818,16 @@ class Journal:
             salvaged=tuple(salvaged),
         )
         return cls(
-            directory, segment_size, policy, lock_fd, segments, last_seq, next_number, report, file
+            directory,
+            segment_size,
+            policy,
+            lock_fd,
+            segments,
+            last_seq,
+            next_number,
+            report,
+            file,
+            content_format,
         )
 
     # --- appending ------------------------------------------------------------------------------
@@ -793,6 +934,7 @@ class Journal:
                 self._directory,
                 self._next_number,
                 self._last_seq,
+                self._content_format,
                 durable=durable,
                 preallocate=self._segment_size,
             )
@@ -906,7 +1048,7 @@ class Journal:
         return CompactionReport(tuple(deleted), tuple(rewritten), reclaimed)
 
     def _rewrite(self, segment: _Segment, live: list[Record]) -> int:
-        parts = [_segment_header(segment.number, segment.prev_seq)]
+        parts = [_segment_header(segment.number, segment.prev_seq, self._content_format)]
         for record in live:
             _encode_into(parts, record.type, record.seq, record.payload)
         data = b"".join(parts)
@@ -934,6 +1076,10 @@ class Journal:
     @property
     def directory(self) -> Path:
         return self._directory
+
+    @property
+    def content_format(self) -> int:
+        return self._content_format
 
     @property
     def sync_policy(self) -> SyncPolicy:
@@ -1019,8 +1165,19 @@ class Journal:
             self._lock_fd = None
 
 
+def _read_head(path: Path) -> bytes:
+    with path.open("rb") as file:
+        return file.read(SEGMENT_HEADER_SIZE)
+
+
 def _create_segment(
-    directory: Path, number: int, prev_seq: int, *, durable: bool, preallocate: int = 0
+    directory: Path,
+    number: int,
+    prev_seq: int,
+    content_format: int,
+    *,
+    durable: bool,
+    preallocate: int = 0,
 ) -> tuple[_Segment, BinaryIO]:
     """Create a segment whole (header in a temp file, fsync, rename) and open it to append,
     its first ``preallocate`` bytes reserved on disk (OSError ENOSPC if they cannot be)."""
@@ -1035,7 +1192,7 @@ def _create_segment(
     file = open(temp, "x+b", buffering=_WRITE_BUFFER, opener=private_opener)  # noqa: SIM115
     renamed = False
     try:
-        file.write(_segment_header(number, prev_seq))
+        file.write(_segment_header(number, prev_seq, content_format))
         file.flush()
         _preallocate(file.fileno(), preallocate)
         if durable:

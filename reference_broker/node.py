@@ -89,11 +89,14 @@ from reference_broker.journal import (
     RECORD_OVERHEAD,
     Journal,
     JournalError,
+    JournalFormatError,
     Record,
     SegmentInfo,
     SyncPolicy,
+    check_format,
 )
 from reference_broker.records import (
+    RECORD_FORMAT,
     CheckpointBegin,
     CheckpointEnd,
     RecordError,
@@ -176,6 +179,10 @@ class NodeConfig:
     duplicate_id_cache_size: int = 20_000
     duplicate_id_retention: float = DEFAULT_DUPLICATE_ID_RETENTION
     duplicate_id_max_bytes: int = DEFAULT_DUPLICATE_ID_MAX_BYTES
+    # Poison messages (docs/client.md): a message whose delivery failed this many times goes
+    # to the dead-letter queue (0: never); both nodes must agree, as the pair's options do.
+    max_delivery_attempts: int = 10
+    dead_letter_queue: str = "queue://DLQ"
 
     @property
     def timing(self) -> Timing:
@@ -381,9 +388,16 @@ class LeaseKeeper:
     Renewals and the drop of the lease take one lock, so a lease the loop dropped is never
     brought back by a renewal that raced with it. The keeper renews only a lease that may
     still be served: one that lapsed (the process was paused past it) is the loop's to fence.
+
+    A renewal that fails with OSError (the pair directory cannot be written: a full or
+    read-only disk, a shared file system gone) leaves the old lease standing (the witness
+    wrote nothing that counts): the keeper logs it once, says it in ``renew_error``, and tries
+    again every ``_RETRY`` until the directory takes it or the lease runs out and the loop
+    fences. Any other failure drops the lease at once, logged: the thread never dies silently.
     """
 
     _POLL = 0.01  # seconds between the thread's looks at the clock
+    _RETRY = 0.05  # seconds between renewals while the pair directory refuses them
 
     def __init__(self, node: Node) -> None:
         self._node = node
@@ -397,6 +411,9 @@ class LeaseKeeper:
         self.loop_max_stall = 0.0
         self.max_gap = 0.0  # longest time between two renewals (the first from the claim)
         self.renewals = 0
+        self.renew_error: str | None = None  # why renewals fail now; None while they work
+        self.renew_failures = 0  # renewals that failed with OSError, in all
+        self._retry_at = 0.0
         lease = node.lease
         self._last = lease.renewed_at if lease is not None else time.monotonic()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
@@ -425,6 +442,17 @@ class LeaseKeeper:
             self.loop_max_stall = max(self.loop_max_stall, time.monotonic() - before - period)
 
     def _run(self) -> None:
+        try:
+            self._renew_while_due()
+        except Exception:
+            log.exception(
+                "%s: the lease keeper failed: dropping the lease (the node fences itself)",
+                self._node.config.node_id,
+            )
+            with self._lock:
+                self._node.lease = None
+
+    def _renew_while_due(self) -> None:
         node = self._node
         while not self._stopped.wait(self._POLL):
             with self._lock:
@@ -438,7 +466,20 @@ class LeaseKeeper:
                     continue
                 if now - self.loop_seen > self._stall_limit:
                     continue  # the loop is hung: let the lease run out, the backup takes over
-                decision = node.witness.renew(node.config.node_id, lease.activation)
+                if now < self._retry_at:
+                    continue
+                try:
+                    decision = node.witness.renew(node.config.node_id, lease.activation)
+                except OSError as exc:
+                    self._renewal_failed(lease, now, exc)
+                    continue
+                if self.renew_error is not None:
+                    log.warning(
+                        "%s: lease renewed again after %d failed attempts",
+                        node.config.node_id,
+                        self.renew_failures,
+                    )
+                    self.renew_error = None
                 if decision.outcome is Outcome.RENEWED and decision.lease is not None:
                     node.lease = decision.lease
                     self.max_gap = max(self.max_gap, decision.lease.renewed_at - self._last)
@@ -448,6 +489,21 @@ class LeaseKeeper:
                     log.warning("%s fenced: %s", node.config.node_id, decision.reason)
                     node.lease = None
                     return
+
+    def _renewal_failed(self, lease: Lease, now: float, exc: OSError) -> None:
+        """The pair directory refused a renewal: the old lease stands until it runs out."""
+        self.renew_failures += 1
+        self._retry_at = now + self._RETRY
+        if self.renew_error is None:
+            log.error(
+                "%s cannot renew its lease in %s: %s; retrying until the lease runs out in "
+                "%.2fs, then it stops serving",
+                self._node.config.node_id,
+                self._node.config.pair_dir,
+                exc,
+                max(0.0, lease.serve_until - now),
+            )
+        self.renew_error = f"{type(exc).__name__}: {exc}"
 
 
 class Node:
@@ -474,9 +530,27 @@ class Node:
             # directory made before (mkdir's mode applies only to a new one).
             directory.mkdir(mode=PRIVATE_DIRECTORY, parents=True, exist_ok=True)
             directory.chmod(PRIVATE_DIRECTORY)
+        # A journal of another record format is refused before this node takes any role: as
+        # live it could not read it, and as backup it would delete it to copy the live's.
+        check_format(self.journal_dir, RECORD_FORMAT, reads_unversioned=True)
         self.pair_secret = load_pair_secret(config.pair_dir, config.pair_secret_file)
         # Verified logins travel to the backup as digests under a key derived from this secret.
         self.users.verified_logins.use_pair_secret(self.pair_secret)
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.config.data_dir / "journal"
+
+    def _open_journal(self) -> Journal:
+        """The journal in this node's format; unversioned journals (written before formats
+        were recorded) are read as this format, which decodes every record they hold."""
+        return Journal.open(
+            self.journal_dir,
+            sync=_sync_policy(self.config.sync),
+            segment_size=self.config.segment_size,
+            content_format=RECORD_FORMAT,
+            reads_unversioned=True,
+        )
 
     # --- persistent identity ---------------------------------------------------------------
 
@@ -768,7 +842,21 @@ class Node:
                 now = time.monotonic()
                 lease = self.lease
                 if lease is None or not lease.may_serve(now):
-                    log.warning("%s: lease no longer valid: fencing itself", config.node_id)
+                    log.warning(
+                        "%s: lease no longer valid: fencing itself%s",
+                        config.node_id,
+                        ""
+                        if keeper.renew_error is None
+                        else f" (renewals failing: {keeper.renew_error})",
+                    )
+                    self._fenced_status()
+                    break
+                if replication.failed is not None:
+                    # It could not record that the backup it lost is no longer eligible, so it
+                    # must confirm nothing without it: stop serving; the backup holds every
+                    # record confirmed and may take over once the lease runs out.
+                    log.error("%s: %s: fencing itself", config.node_id, replication.failed)
+                    keeper.stop()
                     self._fenced_status()
                     break
                 if (
@@ -816,12 +904,7 @@ class Node:
     async def _prepare_store(self) -> tuple[Engine, Store, Checkpointer] | None:
         """Open and recover the journal; None if it cannot be made ready to serve."""
         config = self.config
-        journal = await asyncio.to_thread(
-            Journal.open,
-            config.data_dir / "journal",
-            sync=_sync_policy(config.sync),
-            segment_size=config.segment_size,
-        )
+        journal = await asyncio.to_thread(self._open_journal)
         started = time.monotonic()
         engine = await asyncio.to_thread(
             lambda: Engine.recover(
@@ -832,6 +915,8 @@ class Node:
                     duplicate_cache_size=config.duplicate_id_cache_size,
                     duplicate_id_retention=config.duplicate_id_retention,
                     duplicate_id_max_bytes=config.duplicate_id_max_bytes,
+                    max_delivery_attempts=config.max_delivery_attempts or None,
+                    dead_letter_queue=config.dead_letter_queue,
                 ),
             )
         )
@@ -896,14 +981,8 @@ class Node:
         """A new, empty journal for an initial synchronization (the old one is stale)."""
         await self._close_backup_store()
         self.eligible = None
-        journal_dir = self.config.data_dir / "journal"
-        await asyncio.to_thread(shutil.rmtree, journal_dir, True)
-        journal = await asyncio.to_thread(
-            Journal.open,
-            journal_dir,
-            sync=_sync_policy(self.config.sync),
-            segment_size=self.config.segment_size,
-        )
+        await asyncio.to_thread(shutil.rmtree, self.journal_dir, True)
+        journal = await asyncio.to_thread(self._open_journal)
         self._backup_store = Store(journal)
         return self._backup_store
 
@@ -1249,6 +1328,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 64 MiB); reaching it is logged once per address",
     )
     p.add_argument(
+        "--max-delivery-attempts",
+        type=_count,
+        default=10,
+        help="failed deliveries after which a message goes to the dead-letter queue "
+        "(default: 10; 0: never)",
+    )
+    p.add_argument(
+        "--dead-letter-queue",
+        type=_dead_letter_queue,
+        default="queue://DLQ",
+        help="where messages go after their last failed delivery or when a client rejects "
+        "them (default: queue://DLQ)",
+    )
+    p.add_argument(
         "--max-connections",
         type=_cap,
         default=DEFAULT_MAX_CONNECTIONS,
@@ -1273,6 +1366,12 @@ def _count(text: str, zero: str = "0") -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be {zero} or more, not {value}")
     return value
+
+
+def _dead_letter_queue(text: str) -> str:
+    if not text.startswith("queue://") or len(text) == len("queue://") or "::" in text:
+        raise argparse.ArgumentTypeError(f"must be a queue://NAME, not {text!r}")
+    return text
 
 
 def _cap(text: str) -> int:
@@ -1335,6 +1434,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         duplicate_id_cache_size=args.duplicate_id_cache_size,
         duplicate_id_retention=args.duplicate_id_retention,
         duplicate_id_max_bytes=args.duplicate_id_max_bytes,
+        max_delivery_attempts=args.max_delivery_attempts,
+        dead_letter_queue=args.dead_letter_queue,
     )
 
 
@@ -1352,7 +1453,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.0001)
     try:
         node = Node(config_from_args(args))
-    except PairSecretError as exc:
+    except (PairSecretError, JournalFormatError) as exc:
         log.error("%s", exc)  # noqa: TRY400 - the reason is the whole story
         return 2
     asyncio.run(node.run())

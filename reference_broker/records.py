@@ -49,6 +49,11 @@ Encoding (all integers little-endian)
   the same.
 - MESSAGE_ADD: u16 queue count, that many names, then a message.  TX_ADD: u64 tx, then the same.
 - CHECKPOINT_BEGIN, CHECKPOINT_END: u64 checkpoint id.
+
+This encoding is RECORD_FORMAT: the journal writes it into every segment and replication
+compares it at SYNC_BEGIN, so that a node never reads records another encoding wrote. Raise it
+with any change older code cannot decode; the decoder of format 1 also reads every record
+written before formats were recorded (duplicate times are optional).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from reference_broker.message import BrokerError, Message
 
 __all__ = [
     "ENGINE_RECORD_TYPES",
+    "RECORD_FORMAT",
     "CheckpointBegin",
     "CheckpointEnd",
     "DeadLetter",
@@ -86,6 +92,10 @@ __all__ = [
     "decode",
     "encode_all",
 ]
+
+
+# The version of the encoding below (see the module's docstring).
+RECORD_FORMAT: Final = 1
 
 
 class RecordError(BrokerError, ValueError):

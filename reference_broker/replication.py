@@ -14,6 +14,13 @@ connection that has not proved itself holds no slot and gets no journal byte. Wi
 link is encrypted: the live listens with the node's certificate, the backup connects with TLS
 and needs no CA, since the proof covers the certificate.
 
+HELLO and CHALLENGE also say which record format (reference_broker.records.RECORD_FORMAT) each
+end's journal holds. Once the proofs check, each end refuses a peer of another format, with a
+log line naming both: a backup must never store records it could not read after a takeover.
+A live that does not say (it predates record formats) is followed: its records are what an
+unversioned journal holds, which this format reads. A backup that does not say is refused: it
+may not read what this live writes (so upgrade the backup first, then the live).
+
 Once both proved themselves the backup is attached (one at a time). The live answers
 SYNC_BEGIN with the last sequence number already in its journal, streams every record up
 to it (initial synchronization), then SYNC_END. From the moment it said SYNC_BEGIN, every
@@ -70,6 +77,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from reference_broker.journal import Journal, Record
+from reference_broker.records import RECORD_FORMAT
 from reference_broker.store import Store
 from reference_broker.users import SharedLogin, VerifiedLogins
 
@@ -81,6 +89,7 @@ __all__ = [
     "LiveReplicationServer",
     "PairSecretError",
     "ReplicationAuthError",
+    "ReplicationFormatError",
     "backup_handshake",
     "client_tls_context",
     "live_handshake",
@@ -132,6 +141,26 @@ class ReplicationProtocolError(ConnectionError):
 
 class ReplicationAuthError(ReplicationProtocolError):
     """The peer did not prove that it holds the pair secret."""
+
+
+class ReplicationFormatError(ReplicationProtocolError):
+    """The peer's journal holds records of another format than this end's."""
+
+    def __init__(self, peer: str, found: object, expected: int) -> None:
+        said = (
+            "does not say which record format it holds (it predates record formats)"
+            if found is None
+            else f"holds journal records in format {found!r}"
+        )
+        super().__init__(
+            f"{peer} {said}, this node format {expected}: refusing to replicate "
+            f"(run the same broker version on both nodes)"
+        )
+
+
+def _check_peer_format(peer: str, found: object, expected: int | None) -> None:
+    if expected is not None and found != expected:
+        raise ReplicationFormatError(peer, found, expected)
 
 
 class PairSecretError(ValueError):
@@ -215,10 +244,12 @@ async def live_handshake(
     secret: bytes,
     timeout: float,
     binding: bytes = b"",
+    record_format: int | None = RECORD_FORMAT,
 ) -> str:
     """The live's half of HELLO, CHALLENGE, PROOF (module docstring): the backup's id once it
     proved itself; ReplicationAuthError if it did not. ``binding``: _certificate_binding of
-    the certificate the live presents, over TLS."""
+    the certificate the live presents, over TLS. ``record_format`` is sent, and a backup that
+    does not say the same raises ReplicationFormatError (None: neither; older code's half)."""
     kind, payload = await read_frame(reader, timeout, limit=4096)
     if kind is not Kind.HELLO:
         raise ReplicationAuthError(f"expected HELLO, got {kind.name}")
@@ -226,7 +257,9 @@ async def live_handshake(
     if not isinstance(hello.get("node_id"), str):
         raise ReplicationAuthError("HELLO without a node id")
     hello["nonce"] = _nonce(hello.get("nonce"))
-    challenge = {"live": node_id, "nonce": secrets.token_hex(_NONCE_BYTES)}
+    challenge: dict[str, Any] = {"live": node_id, "nonce": secrets.token_hex(_NONCE_BYTES)}
+    if record_format is not None:
+        challenge["format"] = record_format
     transcript = _transcript(hello, challenge, binding)
     challenge["proof"] = _proof(secret, b"live", transcript).hex()
     write_frame(writer, Kind.CHALLENGE, json.dumps(challenge).encode())
@@ -239,6 +272,7 @@ async def live_handshake(
         raise ReplicationAuthError(
             f"node {hello['node_id']!r} does not hold this pair's secret (wrong proof)"
         )
+    _check_peer_format(f"backup {hello['node_id']!r}", hello.get("format"), record_format)
     return str(hello["node_id"])
 
 
@@ -250,10 +284,15 @@ async def backup_handshake(
     secret: bytes,
     timeout: float,
     where: str = "the live",
+    record_format: int | None = RECORD_FORMAT,
 ) -> str:
     """The backup's half: the live's id once it proved itself; ReplicationAuthError if it did
-    not (the live closes the link if this end does not)."""
-    hello = {"node_id": node_id, "nonce": secrets.token_hex(_NONCE_BYTES)}
+    not (the live closes the link if this end does not). ``record_format`` is sent, and a live
+    that says another raises ReplicationFormatError (one that says none is followed; None:
+    neither, as older code did)."""
+    hello: dict[str, Any] = {"node_id": node_id, "nonce": secrets.token_hex(_NONCE_BYTES)}
+    if record_format is not None:
+        hello["format"] = record_format
     write_frame(writer, Kind.HELLO, json.dumps(hello).encode())
     kind, payload = await read_frame(reader, timeout, limit=4096)
     if kind is not Kind.CHALLENGE:
@@ -276,6 +315,8 @@ async def backup_handshake(
             f"the live at {where} does not hold this pair's secret (wrong proof): "
             f"refusing to follow it"
         )
+    if "format" in challenge:
+        _check_peer_format(f"the live at {where}", challenge["format"], record_format)
     return str(challenge["live"])
 
 
@@ -395,10 +436,12 @@ class LiveReplicationServer:
         tls: ssl.SSLContext | None = None,
         certificate: bytes | None = None,
         logins: VerifiedLogins | None = None,
+        record_format: int = RECORD_FORMAT,
     ) -> None:
         if len(secret) < _MIN_SECRET_BYTES:
             raise ValueError(f"the pair secret must be at least {_MIN_SECRET_BYTES} bytes")
         self.store = store
+        self.record_format = record_format
         self._logins = logins  # shared with the attached backup (LOGINS)
         self._secret = secret
         self._tls = tls
@@ -427,6 +470,12 @@ class LiveReplicationServer:
         self._handover: asyncio.Task[None] | None = None  # at most one per live
         self._link: asyncio.Task[Any] | None = None  # the task serving the attached backup
         self._keep_eligibility = False
+        # The pair directory may say the attached backup is eligible: set before the record
+        # is written (a write that fails may still have landed), cleared once it is revoked.
+        self._maybe_eligible = False
+        # Why this live may confirm nothing more (None: it may): the revocation of a lost
+        # backup's eligibility could not be recorded. The node reads it and fences itself.
+        self.failed: str | None = None
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(
@@ -467,8 +516,9 @@ class LiveReplicationServer:
                 secret=self._secret,
                 timeout=self.timeout,
                 binding=self._binding,
+                record_format=self.record_format,
             )
-        except ReplicationAuthError as exc:
+        except (ReplicationAuthError, ReplicationFormatError) as exc:
             log.error("replication: refused a backup connection from %s: %s", peer, exc)  # noqa: TRY400
             writer.close()
             return
@@ -476,6 +526,10 @@ class LiveReplicationServer:
             log.warning(
                 "replication connection from %s ended before it proved itself: %r", peer, exc
             )
+            writer.close()
+            return
+        if self.failed is not None:
+            log.warning("backup %s refused: %s", backup_id, self.failed)
             writer.close()
             return
         # One link at a time: the sync state below is the link's. A connection that arrives
@@ -499,10 +553,35 @@ class LiveReplicationServer:
             self._backlog_bytes = 0
             self._outbox.clear()
             self._writer = None
-            if self.backup_id is not None and not self._keep_eligibility:
-                self._on_eligibility(self.backup_id, False)
-            self.store.detach_replica(f"link to backup {self.backup_id} lost")
+            if self._revoke_eligibility():
+                self.store.detach_replica(f"link to backup {self.backup_id} lost")
             writer.close()
+
+    def _revoke_eligibility(self) -> bool:
+        """Record that the lost backup may no longer take over; True once the live may
+        confirm without it. When the record cannot be written (the pair directory refuses
+        it) and the backup may be recorded eligible, the replica stays attached, so nothing
+        is confirmed without it, and ``failed`` tells the node to stop serving."""
+        if self.backup_id is None or self._keep_eligibility:
+            return True
+        try:
+            self._on_eligibility(self.backup_id, False)
+        except OSError as exc:
+            if not self._maybe_eligible:
+                log.warning(
+                    "cannot record backup %s as not eligible (%s); it never was",
+                    self.backup_id,
+                    exc,
+                )
+                return True
+            self.failed = (
+                f"cannot record in the pair directory that backup {self.backup_id} is no "
+                f"longer eligible ({exc}), so may confirm nothing without it"
+            )
+            log.error("%s", self.failed)  # noqa: TRY400 - the cause is the whole story
+            return False
+        self._maybe_eligible = False
+        return True
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         log.info("backup %s attached: initial synchronization starts", self.backup_id)
@@ -628,7 +707,14 @@ class LiveReplicationServer:
                     # The backup holds every record confirmed so far, and the store confirms
                     # nothing more without it: from now on it may take over.
                     assert self.backup_id is not None
-                    self._on_eligibility(self.backup_id, True)
+                    self._maybe_eligible = True
+                    try:
+                        self._on_eligibility(self.backup_id, True)
+                    except OSError as exc:
+                        raise ConnectionError(
+                            f"cannot record backup {self.backup_id} as eligible in the pair "
+                            f"directory: {exc}"
+                        ) from exc
                     self.synchronized = True
                     log.info(
                         "backup %s holds everything up to seq %d: eligible", self.backup_id, seq
@@ -681,13 +767,16 @@ class BackupLink:
         secret: bytes,
         tls: ssl.SSLContext | None = None,
         on_logins: Callable[[list[SharedLogin]], None] | None = None,
+        record_format: int = RECORD_FORMAT,
     ) -> None:
         if len(secret) < _MIN_SECRET_BYTES:
             raise ValueError(f"the pair secret must be at least {_MIN_SECRET_BYTES} bytes")
         self._secret = secret
+        self.record_format = record_format
         self._tls = tls
         self._on_logins = on_logins  # logins the live verified (LOGINS)
-        self.refused = False  # the pair secret did not match: worth a longer pause
+        # The pair secret or the record format did not match: worth a longer pause.
+        self.refused = False
         self.node_id = node_id
         self.timeout = timeout
         self.store: Store | None = None  # a fresh journal, opened at SYNC_BEGIN
@@ -716,8 +805,9 @@ class BackupLink:
                 secret=self._secret,
                 timeout=self.timeout,
                 where=f"{host}:{port}",
+                record_format=self.record_format,
             )
-        except ReplicationAuthError as exc:
+        except (ReplicationAuthError, ReplicationFormatError) as exc:
             log.error("replication: %s", exc)  # noqa: TRY400 - the reason is the whole story
             self.refused = True
             writer.close()

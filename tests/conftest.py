@@ -15,9 +15,13 @@ run, printed in the report header, so any failure, in CI too, replays with
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+import re
 from collections.abc import Generator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -89,3 +93,60 @@ def pytest_runtest_makereport(
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every test must run: {reason}"
+
+
+# make test runs the suite on pytest-xdist workers (--dist loadgroup), with the work units
+# chosen here rather than by xdist_group marks (which pytest 9 no longer carries to xdist's
+# scheduler). Tests that share one machine-wide service run on one worker, one after
+# another: the RabbitMQ node and the three-node cluster (fixed ports, started once per
+# worker session) and Spark (a JVM per session, heavy enough that two would starve the
+# timing of everything else). A module that defines a module- or class-scoped fixture
+# stays together, so the fixture is built once. Every other test is a unit of its own.
+# xdist starts the units with the most tests first, so the shared groups never become the
+# run's tail.
+_SHARED_GROUPS = {
+    "tests/interop/": "rabbitmq",
+    "tests/cluster/": "rabbitmq",
+    "tests/spark/": "spark",
+}
+_SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](?:module|class|package)["']""")
+
+
+@functools.cache
+def _keeps_together(path: str) -> bool:
+    """Does the test module (or a conftest.py beside it or above) define a fixture that
+    outlives one test?"""
+    root = Path(__file__).resolve().parent.parent
+    files = [root / path]
+    folder = (root / path).parent
+    while folder != root and root in folder.parents:
+        files.append(folder / "conftest.py")
+        folder = folder.parent
+    return any(f.is_file() and _SHARED_SCOPE.search(f.read_text()) for f in files)
+
+
+@functools.cache
+def _work_unit_of_module(path: str) -> str | None:
+    for prefix, group in _SHARED_GROUPS.items():
+        if path.startswith(prefix):
+            return group
+    text = (Path(__file__).resolve().parent.parent / path).read_text()
+    if "tests.interop.conftest import" in text or "tests.cluster.conftest import" in text:
+        return "rabbitmq"  # a test elsewhere that borrows the RabbitMQ fixtures
+    return path if _keeps_together(path) else None
+
+
+def _work_unit(nodeid: str) -> str:
+    return _work_unit_of_module(nodeid.split("::", 1)[0]) or nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None  # xdist's own
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Units(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return Units(config, log)

@@ -24,6 +24,11 @@ What it maps (addresses and messages: ``reference_broker.amqp.mapping``):
   honoured once the engine has dispatched what it can. A topic link with a durable source
   (durability not none, expiry-policy never) is the durable subscription named after the
   link; closing the link (detach with closed=true) deletes it, a plain detach keeps it.
+  Without the source capability ``shared`` such a subscription has one active consumer at
+  a time; with it, links named ``<name>`` or ``<name>|<anything>`` share the subscription
+  ``<name>``, and a topic link with ``shared`` and a
+  non-durable source is a shared subscription deleted with its last link. A receiver with
+  no source address attaches to the durable subscription its name names (to close it).
   A source with distribution-mode copy is a queue browser: a snapshot of the waiting
   messages, pre-settled. Message selectors are refused (amqp:not-implemented).
 - A dynamic source or target is a temporary queue owned by the connection, deleted when
@@ -109,6 +114,7 @@ from reference_broker.core import BrokerCore
 from reference_broker.engine import (
     AckMode,
     Outcome,
+    UnknownAddressError,
     UnknownDeliveryError,
     UnknownTransactionError,
 )
@@ -127,6 +133,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TOPOLOGY_PROPERTY: Final = symbol("hafailover-topology")
+# A source capability (Qpid JMS): the subscription is shared by the links that name it.
+SHARED: Final = "shared"
 FAILOVER_SERVER_LIST: Final = symbol("failover-server-list")
 
 
@@ -635,10 +643,11 @@ class AmqpConnection(asyncio.Protocol):
         remote = link.remote_source
         _refuse_selectors(remote)
         temp_queue: str | None = None
+        by_name = remote.address is None and not remote.dynamic
         if remote.dynamic:
             temp_queue = address = engine.create_temp_queue(connection_id)
-        elif remote.address is None:
-            raise InvalidRequestError("a receiver link needs a source address or a dynamic source")
+        elif by_name:
+            address = self._durable_subscription_of(link)
         else:
             address = amqp_address(remote.address, _symbols(_capabilities(remote)))
         state: _LinkState
@@ -647,12 +656,20 @@ class AmqpConnection(asyncio.Protocol):
             link.snd_settle_mode = Link.SND_SETTLED
         else:
             subscription: tuple[str, str] | None = None
-            if (
-                address.startswith("topic://")
+            topic = address.startswith("topic://")
+            # proton reads a source without an address as no source at all, durability
+            # included: one found by its link's name is durable.
+            # Qpid JMS marks a shared subscription with the source capability "shared" and
+            # names its links "<subscription>|<n>" (link names are unique on a connection);
+            # a durable one without it has one active consumer at a time.
+            shared = topic and SHARED in _symbols(_capabilities(remote))
+            name = link.name.split("|", 1)[0] if shared else link.name
+            if by_name or (
+                topic
                 and remote.durability != Terminus.NONDURABLE
                 and remote.expiry_policy == Terminus.EXPIRE_NEVER
             ):
-                subscription = (address, link.name)
+                subscription = (address, name)
             auto = link.remote_snd_settle_mode == Link.SND_SETTLED
             consumer_id = engine.subscribe(
                 connection_id,
@@ -660,6 +677,8 @@ class AmqpConnection(asyncio.Protocol):
                 ack_mode=AckMode.AUTO if auto else AckMode.CLIENT_INDIVIDUAL,
                 credit=0,
                 subscription=None if subscription is None else subscription[1],
+                exclusive=subscription is not None and not shared,
+                shared_name=name if shared and subscription is None else None,
             )
             state = _Consumer(
                 link, consumer_id, auto=auto, subscription=subscription, temp_queue=temp_queue
@@ -671,10 +690,26 @@ class AmqpConnection(asyncio.Protocol):
             link.snd_settle_mode = Link.SND_SETTLED if auto else Link.SND_UNSETTLED
         link.source.copy(remote)
         if temp_queue is not None:
-            link.source.address = temp_queue
+            link.source.address = address
+        if by_name:
+            link.source.type = Terminus.SOURCE
+            link.source.address = address
+            link.source.durability = Terminus.DELIVERIES
+            link.source.expiry_policy = Terminus.EXPIRE_NEVER
         link.target.copy(link.remote_target)
         self._links[link] = state
         link.open()
+
+    def _durable_subscription_of(self, link: Link) -> str:
+        """A receiver with no source address attaches to the durable subscription its name
+        names (Qpid JMS does so to unsubscribe: it then closes the link): its topic."""
+        topic = self.core.engine.subscription_topic(link.name)
+        if topic is None:
+            raise UnknownAddressError(
+                f"a receiver link needs a source address, a dynamic source or the name of a "
+                f"durable subscription; there is no durable subscription {link.name!r}"
+            )
+        return topic
 
     def _on_link_close(self, event: Event) -> None:
         self._end_link(_link_of(event), closed=True)

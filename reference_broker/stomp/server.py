@@ -34,6 +34,13 @@ Rules this module enforces:
   full. Known limit: an ``ack:auto`` subscription is settled as it is dispatched, so
   everything queued when it subscribes can be handed to one slow reader in a single turn
   (and is lost if it then disconnects, as ``ack:auto`` allows).
+- JMS subscriptions on a topic: ``durable-subscription-name`` (or
+  ``activemq.subscriptionName``) names a durable subscription, ``shared-subscription-name``
+  a shared one that is not durable, and ``hafailover-exclusive: true`` makes the consumer
+  the only active one of its subscription (another is refused while it is there). An
+  UNSUBSCRIBE naming ``durable-subscription-name`` and no subscription of the connection
+  deletes that durable subscription. A NACK with ``requeue: false`` (RabbitMQ's header)
+  rejects the message to the dead-letter queue.
 
 It never touches the journal or the replication link: durability is the core's business.
 """
@@ -66,7 +73,7 @@ from hafailover.protocols.stomp.frame import (
     parse_heart_beat,
 )
 from reference_broker.core import BrokerCore
-from reference_broker.engine import AckMode, Delivery
+from reference_broker.engine import AckMode, Delivery, Outcome
 from reference_broker.message import BrokerError, InvalidRequestError
 from reference_broker.users import login_guard
 
@@ -325,7 +332,8 @@ class StompConnection(asyncio.Protocol):
             handler = self._HANDLERS[command]
             handler(self, frame, session)
         except BrokerError as exc:
-            self._error(str(exc), receipt=frame.get("receipt"))
+            # The engine's code (DISK_FULL, ...) lets a client tell the refusal apart.
+            self._error(str(exc), receipt=frame.get("receipt"), extra=(("code", exc.code),))
             return
         except StompProtocolError as exc:
             self._error(exc.message, receipt=frame.get("receipt"))
@@ -535,6 +543,10 @@ class StompConnection(asyncio.Protocol):
             ack_mode=ack_mode,
             window=window,
             subscription=durable_name,
+            # JMS subscriptions: a shared one that is not durable, and the only active
+            # consumer of a durable one that is not shared.
+            shared_name=frame.get("shared-subscription-name") or None,
+            exclusive=frame.get("hafailover-exclusive") == "true",
         )
         session.subscriptions[sub_id] = consumer_id
         session.consumer_subscription[consumer_id] = sub_id
@@ -584,6 +596,9 @@ class StompConnection(asyncio.Protocol):
             sub_id = self._subscription_on(destination, session)
         elif not sub_id:
             raise InvalidRequestError(f"UNSUBSCRIBE needs an id header (STOMP {self.version})")
+        if sub_id not in session.subscriptions and frame.get("durable-subscription-name"):
+            self._remove_durable(frame, session)
+            return
         consumer_id = session.subscriptions.pop(sub_id, None)
         if consumer_id is None:
             raise InvalidRequestError(f"no subscription with id {sub_id!r}")
@@ -594,6 +609,17 @@ class StompConnection(asyncio.Protocol):
         self.core.remove_target(consumer_id)
         self.core.engine.close_consumer(consumer_id)
         self.core.kick()
+        self._maybe_receipt(frame, durable=True)
+
+    def _remove_durable(self, frame: Frame, session: StompSession) -> None:
+        """An UNSUBSCRIBE that names a durable subscription and no subscription of this
+        connection deletes that durable subscription (as Artemis does); one that does
+        not exist is no error (JMS unsubscribe may repeat)."""
+        name = frame.get("durable-subscription-name")
+        engine = self.core.engine
+        topic = engine.subscription_topic(name)
+        if topic is not None:
+            engine.delete_subscription(topic, name)
         self._maybe_receipt(frame, durable=True)
 
     @staticmethod
@@ -620,7 +646,10 @@ class StompConnection(asyncio.Protocol):
         consumer_id, tag = self._acknowledged(frame, session)
         tx = self._transaction(frame, session)
         engine = self.core.engine
-        if nack:
+        if nack and frame.get("requeue") == "false":
+            # RabbitMQ's header: not back to the queue, to the dead-letter address.
+            engine.settle(consumer_id, tag, Outcome.REJECTED, tx=tx)
+        elif nack:
             engine.nack(consumer_id, tag, tx=tx)
         else:
             engine.ack(consumer_id, tag, tx=tx)

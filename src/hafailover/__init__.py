@@ -10,6 +10,7 @@ from hafailover.core.report import FailoverReport, SessionFailover
 from hafailover.destination import Destination, DestinationKind, parse_destination
 from hafailover.errors import (
     AcknowledgeFailedError,
+    BrokerResourceError,
     BrowserInvalidatedError,
     CallTimeoutError,
     ConfigurationError,
@@ -72,6 +73,7 @@ __all__ = [
     "AckMode",
     "AcknowledgeFailedError",
     "BrokerAddress",
+    "BrokerResourceError",
     "Browser",
     "BrowserInvalidatedError",
     "CallTimeoutError",

@@ -436,6 +436,7 @@ class AsyncSession:
         prefetch: int = DEFAULT_PREFETCH,
         reliability: LinkReliability | None = None,
         dedup: int | None = None,
+        max_redeliveries: int | None = None,
         dedup_file: str | None = None,
     ) -> AsyncConsumer:
         consumer = await self.connection._run(
@@ -445,9 +446,40 @@ class AsyncSession:
             prefetch=prefetch,
             reliability=reliability,
             dedup=dedup,
+            max_redeliveries=max_redeliveries,
             dedup_file=dedup_file,
         )
         return AsyncConsumer(consumer, self)
+
+    async def create_durable_consumer(
+        self, topic: str | Destination, name: str, **options: Any
+    ) -> AsyncConsumer:
+        """``Session.create_durable_consumer`` without blocking the loop (same options)."""
+        consumer = await self.connection._run(
+            functools.partial(self.sync.create_durable_consumer, topic, name, **options)
+        )
+        return AsyncConsumer(consumer, self)
+
+    async def create_shared_consumer(
+        self, topic: str | Destination, name: str, **options: Any
+    ) -> AsyncConsumer:
+        """``Session.create_shared_consumer`` without blocking the loop (same options)."""
+        consumer = await self.connection._run(
+            functools.partial(self.sync.create_shared_consumer, topic, name, **options)
+        )
+        return AsyncConsumer(consumer, self)
+
+    async def create_shared_durable_consumer(
+        self, topic: str | Destination, name: str, **options: Any
+    ) -> AsyncConsumer:
+        """``Session.create_shared_durable_consumer`` without blocking the loop."""
+        consumer = await self.connection._run(
+            functools.partial(self.sync.create_shared_durable_consumer, topic, name, **options)
+        )
+        return AsyncConsumer(consumer, self)
+
+    async def unsubscribe(self, name: str) -> None:
+        await self.connection._run(self.sync.unsubscribe, name)
 
     def create_browser(self, queue: str | Destination) -> AsyncBrowser:
         return AsyncBrowser(self.sync.create_browser(queue), self.connection)
@@ -685,6 +717,11 @@ class AsyncConsumer:
     @property
     def duplicates_dropped(self) -> int:
         return self.sync.duplicates_dropped
+
+    @property
+    def rejected(self) -> int:
+        """Poison messages this consumer rejected to the dead-letter address."""
+        return self.sync.rejected
 
     def _take(self) -> Message:
         message = self.sync._receive_now()

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 __all__ = [
     "AcknowledgeFailedError",
+    "BrokerResourceError",
     "BrowserInvalidatedError",
     "CallTimeoutError",
     "ConfigurationError",
@@ -69,6 +70,9 @@ class ErrorCode(enum.Enum):
     ILLEGAL_STATE = "ILLEGAL_STATE"
     CLOSED = "CLOSED"
     MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+    # The broker refused a request for lack of a resource: its disk is full (as Artemis's
+    # ADDRESS_FULL, but for any resource the broker names).
+    RESOURCE_LIMIT = "RESOURCE_LIMIT"
 
 
 class HaFailoverError(Exception):
@@ -224,3 +228,16 @@ class ProtocolError(RemoteError):
     code = ErrorCode.PROTOCOL
     # STOMP: the receipt id of the frame the broker refused, when it asked for one.
     receipt_id: str | None = None
+
+
+class BrokerResourceError(ProtocolError):
+    """The broker refused the request for lack of a resource (its disk is full) and stored
+    nothing of it; the same request may succeed once the broker has room again.
+
+    Raised for AMQP's ``amqp:resource-limit-exceeded`` (a rejected send, a refused link) and
+    for a STOMP ERROR frame whose ``code`` header says ``DISK_FULL`` (the bundled broker's; a
+    STOMP ERROR also ends the connection, which fails over as usual). A ProtocolError, so
+    code that caught the broker's refusal as one still does.
+    """
+
+    code = ErrorCode.RESOURCE_LIMIT

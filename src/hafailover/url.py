@@ -225,6 +225,30 @@ def _parse_dedup(text: str) -> int:
     return value
 
 
+def _parse_client_id(text: str) -> str | None:
+    """The connection's client id (JMS): names its non-shared durable subscriptions and is
+    the AMQP container id; empty for none."""
+    value = text.strip()
+    if not value:
+        return None
+    if len(value) > 200 or not all(c.isalnum() or c in "-_" for c in value):
+        raise ValueError(f"{value!r} is not 1 to 200 letters, digits, '-' or '_'")
+    return value
+
+
+def _render_client_id(value: str | None) -> str:
+    return value or ""
+
+
+def _parse_max_redeliveries(text: str) -> int:
+    """Redeliveries a consumer accepts before it rejects a message to the dead-letter
+    address; -1 is no limit."""
+    value = int(text.strip())
+    if value < -1:
+        raise ValueError(f"{value} is below -1")
+    return value
+
+
 def _parse_method(text: str) -> FailoverMethod:
     return FailoverMethod(text.strip().lower())
 
@@ -323,6 +347,13 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
     _Option(
         "block_on_acknowledge", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE
     ),
+    _Option("client_id", _parse_client_id, _render_client_id, ("letters, digits, '-' and '_'",)),
+    _Option(
+        "max_redeliveries",
+        _parse_max_redeliveries,
+        str,
+        ("-1 (no limit)", "0", "a positive count"),
+    ),
     # TLS (stomp+ssl://, amqps://): the CA certificates that verify the broker (else the
     # system's), a client certificate and key for mutual TLS, and an explicit opt-out.
     _Option("ssl_ca_file", _parse_file, _render_file, ("the path of a PEM file",)),
@@ -396,6 +427,8 @@ class FailoverPolicy:
     consumer_dedup: int = 0
     consumer_dedup_file: str | None = None
     block_on_acknowledge: bool = False
+    client_id: str | None = None
+    max_redeliveries: int = -1
     ssl_ca_file: str | None = None
     ssl_cert_file: str | None = None
     ssl_key_file: str | None = None

@@ -27,12 +27,14 @@ from reference_broker.journal import (
     JournalClosedError,
     JournalCorruptError,
     JournalError,
+    JournalFormatError,
     JournalLockedError,
     JournalSequenceError,
     JournalUsageError,
     Record,
     SyncMode,
     SyncPolicy,
+    check_format,
 )
 
 NEVER = SyncPolicy.never()
@@ -102,9 +104,14 @@ def record_offsets(data: bytes) -> list[int]:
 
 
 def segment_header(
-    number: int, prev_seq: int = 0, *, version: int = 1, magic: bytes = MAGIC
+    number: int,
+    prev_seq: int = 0,
+    *,
+    version: int = 2,
+    content_format: int = 0,
+    magic: bytes = MAGIC,
 ) -> bytes:
-    head = struct.pack("<8sHHQQ", magic, version, 0, number, prev_seq)
+    head = struct.pack("<8sHHQQ", magic, version, content_format, number, prev_seq)
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -619,7 +626,6 @@ def write_good_segment(directory: Path) -> list[Record]:
         (b"hello, this is not a journal segment at all", "bad magic"),
         (segment_header(2, magic=b"HAFJRNL\x01"), "bad magic"),
         (segment_header(2)[:-1] + bytes([segment_header(2)[-1] ^ 1]), "header checksum"),
-        (segment_header(2, version=9), "unsupported journal format version 9"),
         (segment_header(3, 5), "header says segment 3"),
         (segment_header(2, 1), "earlier segments reach 5"),
     ],
@@ -629,7 +635,6 @@ def write_good_segment(directory: Path) -> list[Record]:
         "garbage",
         "magic",
         "header-crc",
-        "version",
         "number",
         "prev-seq",
     ],
@@ -955,3 +960,85 @@ def test_every_error_is_a_journal_error_with_a_code() -> None:
         assert cls.code != JournalError.code
     assert issubclass(JournalSequenceError, ValueError)
     assert issubclass(JournalLockedError, OSError)
+
+
+# --- formats --------------------------------------------------------------------------------
+
+
+def write_segment(directory: Path, number: int, header: bytes, records: list[Record]) -> Path:
+    path = directory / f"journal-{number:08d}.seg"
+    path.write_bytes(header + b"".join(encode_record(r.type, r.seq, r.payload) for r in records))
+    return path
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_new_segments_say_their_format_and_the_owners_content_format(tmp_path: Path) -> None:
+    with Journal.open(tmp_path, segment_size=SMALL_SEGMENT, content_format=7) as journal:
+        fill(journal, 40)
+        assert journal.content_format == 7
+    heads = [path.read_bytes()[:SEGMENT_HEADER_SIZE] for path in segment_files(tmp_path)]
+    assert len(heads) > 1
+    assert all(struct.unpack_from("<HH", head, 8) == (2, 7) for head in heads)
+
+
+@pytest.mark.parametrize(
+    ("header", "found"),
+    [
+        (segment_header(2, version=9), "journal format 9, content format 0"),
+        (segment_header(2, content_format=8), "journal format 2, content format 8"),
+        (segment_header(2, version=1), "journal format 1 (unversioned"),
+    ],
+    ids=["format-version", "content-format", "unversioned"],
+)
+def test_a_segment_of_another_format_is_refused_by_name_and_never_salvaged(
+    tmp_path: Path, header: bytes, found: str
+) -> None:
+    """Not damage: the file and both formats are named, and salvage sets nothing aside."""
+    with Journal.open(tmp_path, segment_size=SMALL_SEGMENT, content_format=7) as journal:
+        fill(journal, 5)
+    other = write_segment(tmp_path, 2, header, [Record(1, 6, b"other code")])
+    before = files_of(tmp_path)
+    for salvage in (False, True):
+        with pytest.raises(JournalFormatError) as info:
+            Journal.open(tmp_path, content_format=7, salvage=salvage)
+        assert info.value.path == other
+        message = str(info.value)
+        assert str(other) in message and found in message
+        assert "reads journal format 2, content format 7" in message
+    with pytest.raises(JournalFormatError, match=found.replace("(", r"\(")):
+        check_format(tmp_path, 7)
+    assert files_of(tmp_path) == before, "a refused journal was changed"
+
+
+def test_unversioned_segments_are_read_only_when_the_owner_says_so_and_never_extended(
+    tmp_path: Path,
+) -> None:
+    """Segments written before content formats (journal format 1): the owner that reads them
+    gets their records; appends go into a new segment of the current format, and the old file
+    keeps its bytes. An owner that does not read them is refused, by file name."""
+    old = [Record(1, seq, sample_payload(seq)) for seq in range(1, 6)]
+    first = write_segment(tmp_path, 1, segment_header(1, version=1), old)
+    old_bytes = first.read_bytes()
+    with pytest.raises(JournalFormatError, match="unversioned") as info:
+        Journal.open(tmp_path, content_format=7)
+    assert info.value.path == first
+    check_format(tmp_path, 7, reads_unversioned=True)
+    with Journal.open(tmp_path, content_format=7, reads_unversioned=True) as journal:
+        assert list(journal.replay()) == old
+        assert journal.append(2, b"new") == 6
+        assert len(journal.segments) == 2
+    assert first.read_bytes() == old_bytes
+    second = segment_files(tmp_path)[1]
+    assert struct.unpack_from("<HH", second.read_bytes(), 8) == (2, 7)
+    with Journal.open(tmp_path, content_format=7, reads_unversioned=True) as journal:
+        assert list(journal.replay()) == [*old, Record(2, 6, b"new")]
+        assert len(journal.segments) == 2  # the new segment is appended to again
+
+
+def test_a_content_format_must_fit_its_field(tmp_path: Path) -> None:
+    for bad in (-1, 65536):
+        with pytest.raises(JournalUsageError, match="content_format"):
+            Journal.open(tmp_path, content_format=bad)

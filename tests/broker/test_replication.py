@@ -71,10 +71,16 @@ class Live:
         # machine never ends a link (and degrades the live) halfway through a test.
         timeout: float = 10.0,
         on_handover: Callable[[], Awaitable[int]] | None = None,
+        record_eligibility: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.journal = Journal.open(directory, sync=SyncPolicy.never())
         self.store = Store(self.journal)
-        self.eligibility: list[tuple[str, bool]] = []
+        self.eligibility: list[tuple[str, bool]] = []  # as recorded (the record did not fail)
+
+        def on_eligibility(backup: str, eligible: bool) -> None:
+            if record_eligibility is not None:
+                record_eligibility(backup, eligible)
+            self.eligibility.append((backup, eligible))
 
         async def no_handover() -> int:
             raise AssertionError("no hand-over expected")
@@ -85,7 +91,7 @@ class Live:
             activation=1,
             timeout=timeout,
             on_handover=on_handover or no_handover,
-            on_eligibility=lambda backup, eligible: self.eligibility.append((backup, eligible)),
+            on_eligibility=on_eligibility,
             secret=SECRET,
         )
         self.port = 0

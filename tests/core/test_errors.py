@@ -58,3 +58,9 @@ def test_invalid_url_error_carries_option_and_accepted_values() -> None:
     assert error.option == "heartbeat"
     assert error.accepted == ("1s", "0")
     assert str(error) == "bad (accepted: 1s, 0)"
+
+
+def test_a_broker_out_of_resources_is_still_a_protocol_error() -> None:
+    """Code that caught the broker's refusal of a send as a ProtocolError still does."""
+    assert issubclass(errors.BrokerResourceError, errors.ProtocolError)
+    assert errors.BrokerResourceError.code is ErrorCode.RESOURCE_LIMIT

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from hafailover.core.subscriptions import NamedSubscription
 from hafailover.core.window import ConfirmationWindow, command_flags
 from hafailover.destination import Destination
 from hafailover.errors import IllegalStateError, NotConnectedError
@@ -90,6 +91,7 @@ class FakeBroker:
         self.refuse_until = 0.0
         self.refused = 0  # attempts refused so far
         self.violations: list[str] = []
+        self.dead_letters: list[Message] = []  # what consumers rejected (poison messages)
         self._session_ids = itertools.count(1)
         self._tags = itertools.count(1)
         self.opened = threading.Condition(self.lock)
@@ -221,6 +223,10 @@ class FakeBroker:
                 entry = session.unacked.pop(frame.tag, None)
                 if entry is not None:
                     self.queues[entry[0]].appendleft(entry[1])
+            elif command == "REJECT":
+                entry = session.unacked.pop(frame.tag, None)
+                if entry is not None:
+                    self.dead_letters.append(entry[1])
             elif command == "SUBSCRIBE":
                 session.subscriptions[frame.subscription] = frame.destination
             elif command == "UNSUBSCRIBE":
@@ -363,9 +369,13 @@ class FakeLink:
         prefetch: int,
         selector: str | None = None,
         token: int | None = None,
+        named: NamedSubscription | None = None,
     ) -> None:
         frame = Frame("SUBSCRIBE", token, destination=destination.name, subscription=subscription)
         self._write(frame)
+
+    def remove_subscription(self, name: str, *, token: int) -> None:
+        self._write(Frame("UNSUBSCRIBE", token, subscription=name))
 
     def unsubscribe(self, subscription: str) -> None:
         self._write(Frame("UNSUBSCRIBE", subscription=subscription))
@@ -379,6 +389,9 @@ class FakeLink:
 
     def redeliver(self, subscription: str, tag: str) -> None:
         self._write(Frame("NACK", tag=tag))
+
+    def reject(self, subscription: str, tag: str) -> None:
+        self._write(Frame("REJECT", tag=tag))
 
     def begin(self) -> object:
         name = f"tx-{self.serial}-{next(self._tx_names)}"

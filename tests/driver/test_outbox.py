@@ -231,3 +231,42 @@ def test_a_writer_that_may_block_takes_over_from_one_that_never_does() -> None:
     producer.join(5)
     assert b"".join(written) == b"ABBIG-SEND"
     assert not outbox.pending
+
+
+def test_bytes_left_to_a_heart_beat_are_written_without_blocking_it() -> None:
+    """A writer that gave up waiting for the lock a heart-beat held leaves its bytes to the
+    heart-beat's thread, which must neither block on them (a full socket would stop it
+    checking the broker's heart-beats) nor strand them."""
+    outbox = Outbox(lambda data: None, lambda error: None)
+    in_write = threading.Event()
+    may_finish = threading.Event()
+
+    def slow_write_now(data: bytes) -> bool:  # the heart-beat's thread, descheduled mid-write
+        in_write.set()
+        may_finish.wait(10)
+        return True
+
+    sock_free = threading.Event()
+    written: list[bytes] = []
+
+    def blocking_write(data: bytes) -> None:  # the socket is full until sock_free
+        sock_free.wait(10)
+        written.append(bytes(data))
+
+    beat = threading.Thread(target=outbox.offer, args=(b"\n", slow_write_now), daemon=True)
+    beat.start()
+    assert in_write.wait(5)
+    outbox._write = blocking_write  # type: ignore[attr-defined]  # from now on the socket is full
+    outbox.put(b"ACK")
+    outbox.flush()  # finds the lock taken, waits the hand-over, leaves its bytes queued
+    assert outbox.pending
+    may_finish.set()
+    beat.join(5)
+    assert not beat.is_alive(), "the heart-beat's thread blocked writing bytes left to it"
+    assert written == []
+    sock_free.set()
+    deadline = time.monotonic() + 5
+    while outbox.pending or outbox.writing:
+        assert time.monotonic() < deadline, "the bytes left to the heart-beat were stranded"
+        time.sleep(0.01)
+    assert written == [b"ACK"]

@@ -15,8 +15,8 @@ import pytest
 from reference_broker import BrokerPair
 from tests.integration.support import url_for, wait_until
 
+from .clients import ConfirmedProducer, stop_all
 from .disk import DiskHog, small_disk
-from .traffic import ConfirmedProducer, stop_all
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from reference_broker import BrokerPair
-from tests.integration.support import url_for, wait_until
+from tests.integration.support import AckingConsumer, url_for, wait_until
 
-from .traffic import AckingConsumer, ConfirmedProducer, check, stop_all
+from .clients import ConfirmedProducer, base_url, check, stop_all
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,7 +110,7 @@ def test_both_nodes_killed_together_lose_nothing(
         )
     finally:
         stop_all(producer, consumer)
-    outcome = check(pair, protocol, QUEUE, producer, consumer)
+    outcome = check(base_url(pair, protocol), QUEUE, [producer], [consumer])
     # From the crash to the first send confirmed after it: the outage the application saw.
     outage = min(at for at in producer.confirmed_at if at > crashed_at) - crashed_at
     print("\n" + outcome.line(f"both nodes killed ({order}, outage {outage:.1f}s)", protocol))
@@ -154,6 +154,6 @@ def test_after_a_failover_the_former_backup_holds_the_newer_journal(
         wait_until(lambda: len(producer.confirmed) > confirmed + 20, 30, "progress after restart")
     finally:
         stop_all(producer)
-    outcome = check(pair, protocol, QUEUE, producer)
+    outcome = check(base_url(pair, protocol), QUEUE, [producer])
     print("\n" + outcome.line("both nodes killed after a failover (older first)", protocol))
     outcome.assert_clean()

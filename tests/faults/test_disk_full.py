@@ -24,15 +24,16 @@ from pathlib import Path
 
 import pytest
 
+from hafailover import BrokerResourceError, ErrorCode
 from reference_broker import BrokerPair
 from reference_broker.engine import DiskFullError, Engine
 from reference_broker.journal import Journal, JournalFullError, SyncPolicy
 from reference_broker.node import Checkpointer
 from reference_broker.store import Store
-from tests.integration.support import url_for, wait_until
+from tests.integration.support import AckingConsumer, url_for, wait_until
 
+from .clients import ConfirmedProducer, base_url, check, stop_all
 from .disk import DiskHog, small_disk
-from .traffic import AckingConsumer, ConfirmedProducer, check, stop_all
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,15 +88,20 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
         wait_until(lambda: len(producer.confirmed) >= 200, 30, "a backlog")
         hog.start()
         full_at = time.monotonic()
-        wait_until(lambda: producer.refusals, 20, "a send refused for the full disk")
-        refused_at = producer.refusals[0][0]
+        wait_until(lambda: producer.raised, 20, "a send refused for the full disk")
+        refused_at = producer.raised[0].at
         confirmed_when_refused = len(producer.confirmed)
         consumer.start()
         wait_until(lambda: len(consumer.acknowledged) >= 100, 20, "acknowledges on a full disk")
         # Still full: nothing more was confirmed, every refusal says why.
         assert len(producer.confirmed) == confirmed_when_refused
-        reasons = {f"{type(error).__name__}: {error}" for _, error in producer.refusals}
+        reasons = {f"{type(e.error).__name__}: {e.error}" for e in producer.raised}
         assert all("disk is full" in reason for reason in reasons), reasons
+        # Its own type on both protocols, not a generic error or a lost connection.
+        assert all(
+            isinstance(e.error, BrokerResourceError) and e.error.code is ErrorCode.RESOURCE_LIMIT
+            for e in producer.raised
+        ), reasons
         if protocol == "amqp":  # the AMQP condition for a limit, as Artemis's "address full"
             assert all("amqp:resource-limit-exceeded" in reason for reason in reasons), reasons
         assert pair.live is pair.nodes[0], "the live gave up its role over a full disk"
@@ -106,12 +112,12 @@ def test_a_full_disk_on_the_live_refuses_sends_and_still_acknowledges(
     finally:
         hog.release()
         stop_all(producer, consumer)
-    outcome = check(pair, protocol, queue, producer, consumer)
+    outcome = check(base_url(pair, protocol), queue, [producer], [consumer])
     print(
         "\n"
         + outcome.line("live's disk full", protocol)
         + f" (producer {producer.failovers}, consumer {consumer.failovers})"
-        f" refusals={len(producer.refusals)} first refusal {refused_at - full_at:.2f}s"
+        f" refusals={len(producer.raised)} first refusal {refused_at - full_at:.2f}s"
         f" after the disk filled, sends confirmed {resumed:.2f}s after space returned;"
         f" the refusal: {next(iter(reasons))}"
     )
@@ -152,7 +158,7 @@ def test_a_full_disk_on_the_backup_is_never_counted_as_a_copy(
     finally:
         hog.release()
         stop_all(producer)
-    outcome = check(pair, protocol, queue, producer)
+    outcome = check(base_url(pair, protocol), queue, [producer])
     print("\n" + outcome.line("backup's disk full, then the live killed", protocol))
     outcome.assert_clean()
 
@@ -245,3 +251,93 @@ def test_a_journal_with_no_room_for_a_segment_stays_open_and_whole(tmp_path: Pat
         assert active.stat().st_blocks * 512 < segment / 2, "the reserve was not given back"
         with Journal.open(directory / "journal", sync=SyncPolicy.always()) as reopened:
             assert [r.seq for r in reopened.replay()] == appended
+
+
+def test_a_full_pair_directory_fences_the_live_that_cannot_revoke_its_lost_backup(
+    tmp_path: Path,
+) -> None:
+    """The pair directory's disk fills, then the backup dies: the live cannot record that
+    the backup is no longer eligible, so it must not go on alone. It stops serving at once
+    (before its failing lease renewals would run the lease out) and says why in its log;
+    nothing escapes as an unhandled error."""
+    pair = BrokerPair(tmp_path / "pair", user="app", password="secret")
+    with small_disk(pair.pair_dir, DISK), pair:
+        pair.wait_synchronized(30)
+        live, backup = pair.nodes
+        hog = DiskHog(pair.pair_dir)
+        try:
+            hog.start()
+            pair.kill(backup)
+            wait_until(lambda: live.status().get("role") == "backup", 10, "the live to fence")
+        finally:
+            hog.release()
+        log = live.log_path.read_text()
+    fenced = [line for line in log.splitlines() if "fencing itself" in line]
+    assert fenced and "is no longer eligible" in fenced[0], fenced
+    assert "Traceback" not in log and "Unhandled exception" not in log
+
+
+ACK_SEGMENT = 32 * 1024  # a reserve of at most 8 KiB: a couple of hundred acknowledges
+BACKLOG = 600
+
+
+def test_acknowledges_on_a_full_disk_use_the_reserve_and_its_end_hands_over_to_the_backup(
+    tmp_path: Path, protocol: str
+) -> None:
+    """The live's disk full with a backlog waiting: acknowledges go on in the active
+    segment's reserve while sends are refused; when the reserve runs out, the write that
+    finds no room fails the live's journal and it fences itself (log: the full disk), its
+    synchronized backup takes over, and the consumer goes on there: nothing is lost or
+    doubled, acknowledges in flight at the end are in doubt (their messages come again)."""
+    # A long lease: on a loaded machine a missed renewal must not move the role before the
+    # reserve is used up.
+    pair = BrokerPair(
+        tmp_path / "pair",
+        user="app",
+        password="secret",
+        segment_size=ACK_SEGMENT,
+        heartbeat_timeout=2.0,
+    )
+    live, backup = pair.nodes
+    with small_disk(live.data_dir, DISK), pair:
+        pair.wait_synchronized(30)
+        queue = "queue://ack-reserve"
+        url = url_for(pair, protocol, reconnect_attempts=-1, heartbeat="1s")
+        producer = ConfirmedProducer(url, queue)
+        consumer = AckingConsumer(url, queue)
+        hog = DiskHog(live.data_dir)
+        producer.start()
+        try:
+            wait_until(lambda: len(producer.confirmed) >= BACKLOG, 60, "a backlog")
+            hog.start()
+            wait_until(lambda: producer.raised, 20, "a send refused for the full disk")
+            producer.stop.set()
+            consumer.start()
+            wait_until(
+                lambda: "journal write failed" in live.log_path.read_text(errors="replace"),
+                60,
+                "the reserve to run out",
+            )
+            acknowledged_on_live = len(consumer.acknowledged)  # none is confirmed after it
+            wait_until(lambda: backup.role == "live", 30, "the backup to take over")
+            # The consumer goes on with the rest on the backup.
+            wait_until(
+                lambda: len(consumer.acknowledged) > acknowledged_on_live + 100,
+                30,
+                "acknowledges on the backup",
+            )
+        finally:
+            hog.release()
+            stop_all(producer, consumer)
+        log = live.log_path.read_text()
+        outcome = check(base_url(pair, protocol), queue, [producer], [consumer])
+    assert acknowledged_on_live >= 50, "acknowledges stopped before the reserve was used"
+    assert "journal write failed" in log and "no space left for a new journal segment" in log
+    assert "the journal failed: fencing itself" in log
+    print(
+        "\n"
+        + outcome.line("acknowledge reserve used up on a full disk", protocol)
+        + f" acknowledged on the full live={acknowledged_on_live}"
+        f" in doubt={len(consumer.in_doubt)} stale acknowledges={consumer.stale}"
+    )
+    outcome.assert_clean()

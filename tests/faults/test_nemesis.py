@@ -19,7 +19,7 @@ import pytest
 
 from reference_broker import BrokerPair
 
-from .clients import AckConsumer, ConfirmedProducer, TransactedProducer, check, drain
+from .clients import AckConsumer, ConfirmedProducer, TransactedProducer, check, stop_all
 from .conftest import pair_on
 from .nemesis import FAULTS, Nemesis, schedule
 from .netns import Network
@@ -66,9 +66,11 @@ def _run_schedule(fault_pair: BrokerPair, network: Network, protocol: str) -> No
     url = url_for(fault_pair, protocol)
     base = fault_pair.stomp_url if protocol == "stomp" else fault_pair.amqp_url
     queue = f"queue://chaos-{protocol}"
-    transacted = TransactedProducer("transacted", network["c0"].netns, url, queue)
-    confirmed = ConfirmedProducer("confirmed", network["c2"].netns, url, queue, first=10**8)
-    consumer = AckConsumer("consumer", network["c1"].netns, url, queue)
+    transacted = TransactedProducer(url, queue, name="transacted", netns=network["c0"].netns)
+    confirmed = ConfirmedProducer(
+        url, queue, name="confirmed", netns=network["c2"].netns, first=10**8, pace=0.005
+    )
+    consumer = AckConsumer(url, queue, netns=network["c1"].netns)
     clients = [transacted, confirmed, consumer]
     for client in clients:
         client.start()
@@ -92,14 +94,12 @@ def _run_schedule(fault_pair: BrokerPair, network: Network, protocol: str) -> No
     finally:
         for client in clients:
             client.stop.set()
-    for client in clients:
-        client.join(60)
-    verdict = check([transacted, confirmed], [consumer], drain(network["c1"].netns, base, queue))
-    stall = max(c.longest_call for c in clients)
+    stop_all(*clients, timeout=60)
+    verdict = check(base, queue, [transacted, confirmed], [consumer], netns=network["c1"].netns)
     print(
-        f"chaos [{protocol}] seed {SEED}: {len(steps)} faults in "
-        f"{time.monotonic() - started:.0f}s; {verdict.line()} suppressed="
-        f"{consumer.suppressed} longest stall={stall:.2f}s longest heal="
+        f"{verdict.line(f'chaos seed {SEED}', protocol)}: {len(steps)} faults in "
+        f"{time.monotonic() - started:.0f}s; suppressed="
+        f"{consumer.suppressed} longest heal="
         f"{max(nemesis.settle_times, default=0):.1f}s failovers "
         + " ".join(f"{c.name}={c.failovers}" for c in clients)
     )
@@ -107,7 +107,7 @@ def _run_schedule(fault_pair: BrokerPair, network: Network, protocol: str) -> No
         for seq in list(verdict.duplicates)[:5] + verdict.lost[:5]:
             owner = transacted if seq < 10**8 else confirmed
             acked = [(round(at - started, 3), b, r) for at, s, b, r in consumer.log if s == seq]
-            sent = [round(at - started, 3) for at, s in owner.confirmed if s == seq]
+            sent = [round(at - started, 3) for at in owner.confirmed_when(seq)]
             print(f"seq {seq}: acknowledged {acked} confirmed at {sent}")
         for client in clients:
             for event in client.raised:

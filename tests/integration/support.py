@@ -9,7 +9,7 @@ import struct
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import hafailover
 from hafailover import (
@@ -41,8 +41,26 @@ def single_url(protocol: str, host: str, port: int, pair: BrokerPair, **options:
     return f"{protocol}://{pair.user}:{pair.password}@{host}:{port}?{query}"
 
 
-def drain(url: str, queue: str, *, idle: float = 1.0, limit: float = 60.0) -> list[Message]:
-    """Everything waiting on ``queue`` (consumed), through a fresh connection."""
+# How long a drain that still misses expected messages waits for the next one.
+EXPECTING_IDLE = 15.0
+
+
+def drain(
+    url: str,
+    queue: str,
+    *,
+    idle: float = 1.0,
+    limit: float = 60.0,
+    expect: Collection[int] = (),
+) -> list[Message]:
+    """Everything waiting on ``queue`` (consumed), through a fresh connection.
+
+    ``expect``: the ``seq`` properties a loss checker counts on finding. While any of them
+    is missing, a quiet spell must last ``EXPECTING_IDLE`` before the drain ends: on a
+    loaded machine a second without a message is not an empty queue (messages a closed
+    consumer held come back only once the broker has seen it go), and a message the drain
+    gave up on too soon would be reported lost."""
+    missing = {int(seq) for seq in expect}
     received: list[Message] = []
     # After a failover the first broker of the URL may be the dead one (F12: the first
     # connection only tries further brokers when initial_connect_attempts allows it).
@@ -54,10 +72,13 @@ def drain(url: str, queue: str, *, idle: float = 1.0, limit: float = 60.0) -> li
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             # The first message may take a while on a loaded machine; then idle ends it.
-            message = consumer.receive(idle if received else max(idle, 5.0))
+            wait = idle if received else max(idle, 5.0)
+            message = consumer.receive(max(wait, EXPECTING_IDLE) if missing else wait)
             if message is None:
                 break
             received.append(message)
+            if missing:
+                missing.discard(int(str(message.properties.get("seq", -1))))
     return received
 
 

@@ -23,7 +23,7 @@ from pyspark.sql.types import (
 
 from hafailover.errors import ConfigurationError
 from hafailover.spark import DeliveryGuarantee, SinkOptions
-from hafailover.spark._report import ORDER_WARNING
+from hafailover.spark._report import ORDER_WARNING, RETENTION_WARNING
 from hafailover.spark._rows import ColumnPlan, plan_columns
 from hafailover.spark.datasource import HaFailoverDataSource
 
@@ -201,4 +201,43 @@ def test_a_write_whose_ids_depend_on_order_is_warned_about(
     with caplog.at_level(logging.WARNING, logger="hafailover.spark"):
         source.writer(schema(*fields), overwrite=False)
         source.streamWriter(schema(*fields), overwrite=False)
-    assert [r.getMessage() for r in caplog.records] == [ORDER_WARNING] * (2 if warned else 0)
+    order = [r for r in caplog.records if r.getMessage() == ORDER_WARNING]
+    assert len(order) == (2 if warned else 0)
+
+
+@pytest.mark.parametrize(
+    ("given", "warned", "relied_on"),
+    [
+        ({}, True, None),
+        ({"broker_duplicate_id_retention": "2h"}, False, "7200s"),
+        ({"delivery_guarantee": "at_least_once"}, False, None),
+    ],
+)
+def test_an_exactly_once_write_warns_when_it_cannot_know_the_brokers_retention(
+    caplog: pytest.LogCaptureFixture,
+    given: dict[str, str],
+    warned: bool,
+    relied_on: str | None,
+) -> None:
+    """No broker says how long it keeps duplicate ids: unless the user states it, a write
+    warns at its start that a late retry may store rows twice, naming what to set."""
+    source = HaFailoverDataSource({"url": URL, "destination": "queue://orders", **given})
+    with caplog.at_level(logging.INFO, logger="hafailover.spark"):
+        source.writer(schema(("body", StringType())), overwrite=False)
+        source.streamWriter(schema(("body", StringType())), overwrite=False)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.count(RETENTION_WARNING) == (2 if warned else 0)
+    if warned:
+        levels = {r.levelno for r in caplog.records if r.getMessage() == RETENTION_WARNING}
+        assert levels == {logging.WARNING}
+        assert "id-cache-size" in RETENTION_WARNING
+        assert "--duplicate-id-retention" in RETENTION_WARNING
+    relied = [m for m in messages if "relies on the broker keeping duplicate ids" in m]
+    assert len(relied) == (2 if relied_on else 0)
+    assert all(relied_on in m for m in relied if relied_on)
+
+
+@pytest.mark.parametrize("value", ["soon", "0s", "-1h"])
+def test_a_bad_broker_retention_is_refused(value: str) -> None:
+    with pytest.raises(ConfigurationError, match='"broker_duplicate_id_retention"'):
+        options(broker_duplicate_id_retention=value)

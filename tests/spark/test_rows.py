@@ -270,3 +270,21 @@ def test_the_driver_logs_and_records_every_batch(
     )
     lines = commit_log.read_text().splitlines()
     assert len(lines) == 2 and '"batch_id": "4"' in lines[0]
+
+
+def test_a_batch_written_to_a_broker_without_duplicate_detection_is_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What a task saw at run time: its broker does not drop a copy by id, so a retry of its
+    rows stores them twice; the driver's summary says so, as a warning."""
+    without = PartitionResult(**{**result(1).__dict__, "duplicate_detection": False})
+    report = BatchReport.from_commits([SinkCommit(result(0)), SinkCommit(without)], committed=True)
+    assert report.without_duplicate_detection == 1
+    detected = BatchReport.from_commits([SinkCommit(result(0))], committed=True)
+    with caplog.at_level(logging.INFO, logger="hafailover.spark"):
+        log_report(report, None, in_worker=False)
+        log_report(detected, None, in_worker=False)
+    first, second = caplog.records
+    assert first.levelno == logging.WARNING
+    assert "1 tasks wrote to a broker without duplicate detection" in first.getMessage()
+    assert second.levelno == logging.INFO and "duplicate detection" not in second.getMessage()

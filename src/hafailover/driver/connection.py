@@ -306,7 +306,7 @@ class Connection(Calls, LinkEventHandlers):
         for session in sessions:
             session._join()
             for consumer in list(session._consumers.values()):
-                consumer._release_dedup_file()
+                consumer._release_dedup_file(closing_all=True)
         self._notifier.stop()
 
     # --- opening and failing over -----------------------------------------------------------

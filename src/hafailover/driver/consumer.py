@@ -20,6 +20,7 @@ from hafailover.ack_modes import AckAction
 from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at, replay
 from hafailover.core.failover import Admission
 from hafailover.core.inflight import CallKind
+from hafailover.core.subscriptions import NamedSubscription, RedeliveryLimit
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
@@ -42,9 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PREFETCH", "Consumer"]
 
-log = logging.getLogger("hafailover")
-
 DEFAULT_PREFETCH: Final = 100
+
+log = logging.getLogger("hafailover")
 
 
 class Consumer:
@@ -60,8 +61,15 @@ class Consumer:
         *,
         dedup: int = 0,
         dedup_file: DedupFile | None = None,
+        named: NamedSubscription | None = None,
+        max_redeliveries: int = -1,
     ) -> None:
         self.session = session
+        # A durable or shared subscription: subscribed by this name on every link (F5).
+        self.named = named
+        # Poison messages: past this many failures a delivery is rejected, not handed out.
+        self._redelivery = RedeliveryLimit(max_redeliveries)
+        self.rejected = 0  # deliveries rejected to the dead-letter address
         self.selector = selector
         self.subscription = subscription
         self.destination = destination
@@ -134,6 +142,7 @@ class Consumer:
                 prefetch=self.prefetch,
                 selector=self.selector,
                 token=token,
+                named=self.named,
             )
         except BaseException as exc:
             with connection._cond:
@@ -187,6 +196,11 @@ class Consumer:
                 # F6: handed out before a reconnect lost its pipelined acknowledge.
                 self._drop_duplicate(tag)
                 continue
+            if self._acknowledged and self._redelivery.exceeded(
+                _stable_id(message), message.delivery_count
+            ):
+                self._reject_poison(tag, message)
+                continue
             dedup = self._dedup
             if dedup is not None:
                 message_id = message.message_id
@@ -204,6 +218,31 @@ class Consumer:
             session.connection._received += 1
             return message
         return None
+
+    def _reject_poison(self, tag: str, message: Message) -> None:
+        """Under the lock: ``message`` failed more often than ``max_redeliveries`` allows;
+        it goes to the broker's dead-letter address (NACK without requeue on STOMP, the
+        rejected outcome on AMQP) and is reported. A reject that cannot be written now is
+        not retried: the delivery comes again and is rejected again (its count is kept for
+        that)."""
+        connection = self.session.connection
+        self.rejected += 1
+        limit = self._redelivery
+        log.warning(
+            "consumer of %s rejected message %s to the dead-letter address after %d "
+            "failed deliveries (max_redeliveries=%d)",
+            self.destination,
+            message.message_id,
+            limit.failures(_stable_id(message), message.delivery_count),
+            limit.max_redeliveries,
+        )
+        link = connection._admitted_link()
+        if link is None:
+            return
+        try:
+            link.reject(self.subscription, tag)
+        except HaFailoverError as exc:
+            connection._io_failed(link, exc)
 
     def _drop_duplicate(self, tag: str) -> None:
         """Under the lock: a delivery whose id this consumer had delivered and acknowledged
@@ -264,6 +303,7 @@ class Consumer:
         decision = session.rules.listener_failed(delivery)
         if decision.action is not AckAction.REDELIVER:
             return
+        self._redelivery.failed(_stable_id(message), message.delivery_count)
         if self._dedup is not None and self._remembered_at is Remembered.AT_DELIVERY:
             self._dedup.forget(message.message_id)  # its redelivery is no duplicate
         session._forget_seen(decision.tags)
@@ -477,11 +517,20 @@ class Consumer:
             self._release_dedup_file()
             connection._cond.notify_all()
 
-    def _release_dedup_file(self) -> None:
-        """Close the duplicate window's file (and let go of its lock)."""
+    def _release_dedup_file(self, *, closing_all: bool = False) -> None:
+        """Under the lock: close the duplicate window's file (and let go of its lock), or
+        hand it to a consumer that shares the window (a shared subscription's), which
+        goes on writing it; ``closing_all``: the connection closes every consumer."""
         dedup_file, self._dedup_file = self._dedup_file, None
-        if dedup_file is not None:
-            dedup_file.close()
+        if dedup_file is None:
+            return
+        if not closing_all:
+            for session in self.session.connection._sessions.values():
+                for other in session._consumers.values():
+                    if other is not self and other._dedup is self._dedup and not other._closed:
+                        other._dedup_file = dedup_file
+                        return
+        dedup_file.close()
 
     def __iter__(self) -> Iterator[Message]:
         """Messages as they come, forever (use receive() for a timeout)."""
@@ -489,3 +538,11 @@ class Consumer:
             message = self.receive()
             if message is not None:
                 yield message
+
+
+def _stable_id(message: Message) -> str | None:
+    """The id by which a consumer counts a message's failures itself: its sender's id,
+    the same on every delivery by every broker. A broker's own message id may change from
+    one delivery to the next (RabbitMQ's STOMP ids do): then only the broker's count
+    counts."""
+    return message.message_id if message._sender_id else None

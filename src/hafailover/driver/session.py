@@ -29,6 +29,15 @@ from hafailover.ack_modes import (
 )
 from hafailover.core.inflight import CallKind
 from hafailover.core.pull import prefetch_refusal
+from hafailover.core.subscriptions import (
+    NamedSubscription,
+    RedeliveryLimit,
+    SubscriptionKind,
+    broker_subscription_name,
+    check_can_open,
+    check_can_unsubscribe,
+    named_subscription,
+)
 from hafailover.destination import Destination, parse_destination
 from hafailover.driver import tracing
 from hafailover.driver.browser import Browser
@@ -45,6 +54,7 @@ from hafailover.errors import (
     ErrorCode,
     HaFailoverError,
     IllegalStateError,
+    NotConnectedError,
     UnblockedError,
 )
 from hafailover.message import Message
@@ -130,13 +140,20 @@ class Session(Transactions):
         reliability: LinkReliability | None = None,
         dedup: int | None = None,
         dedup_file: str | None = None,
+        max_redeliveries: int | None = None,
+        _named: NamedSubscription | None = None,
     ) -> Consumer:
         """A consumer of a queue, topic or temporary queue. ``reliability`` (Qpid's link
         reliability) must agree with the session's ack mode (F14). ``dedup``: how many
         acknowledged message ids it remembers to drop duplicates (0 off; None: the URL's
         ``consumer_dedup``). ``dedup_file``: the file that keeps those ids across restarts
-        (None: the URL's ``consumer_dedup_file``), one per consumer."""
+        (None: the URL's ``consumer_dedup_file``), one per consumer. ``max_redeliveries``:
+        failed deliveries after which a message is rejected to the dead-letter address (-1
+        no limit; None: the URL's)."""
         self._check_open()
+        if max_redeliveries is None:
+            max_redeliveries = self.connection.policy.max_redeliveries
+        redelivery = RedeliveryLimit(max_redeliveries)  # checks the value
         if dedup is None:
             dedup = self.connection.policy.consumer_dedup
         if isinstance(dedup, bool) or not isinstance(dedup, int) or dedup < 0:
@@ -153,13 +170,29 @@ class Session(Transactions):
         if dedup_file is not None and not dedup:
             raise ConfigurationError("dedup_file keeps the duplicate window, and dedup=0 has none")
         path = dedup_file if dedup_file is not None else self.connection.policy.consumer_dedup_file
-        journal = DedupFile(path) if path is not None and dedup else None
+        with self.connection._cond:
+            # A consumer of a shared subscription that shares a sibling's window shares
+            # its file too (``_share_duplicate_window``): it opens none of its own.
+            shares = _named is not None and self._shared_window(_named) is not None
+        journal = DedupFile(path) if path is not None and dedup and not shares else None
         connection = self.connection
         with connection._cond:
+            if _named is not None:
+                check_can_open(_named, target, selector, self._named_open())
             subscription = f"sub-{next(connection._subscription_ids)}"
             consumer = Consumer(
-                self, subscription, target, prefetch, selector, dedup=dedup, dedup_file=journal
+                self,
+                subscription,
+                target,
+                prefetch,
+                selector,
+                dedup=dedup,
+                dedup_file=journal,
+                named=_named,
+                max_redeliveries=redelivery.max_redeliveries,
             )
+            if _named is not None:
+                self._share_duplicate_window(consumer)
             self._consumers[subscription] = consumer
         connection._subscribe(consumer)
         while True:
@@ -180,6 +213,134 @@ class Session(Transactions):
                 consumer.close()
                 raise
             return consumer
+
+    def create_durable_consumer(
+        self,
+        topic: str | Destination,
+        name: str,
+        *,
+        selector: str | None = None,
+        prefetch: int = DEFAULT_PREFETCH,
+        dedup: int | None = None,
+        max_redeliveries: int | None = None,
+    ) -> Consumer:
+        """A consumer of the durable subscription ``name`` to ``topic``: the broker keeps
+        what is published while no consumer is attached, and a failover resumes it (F5).
+        Needs the URL's ``client_id``; one active consumer at a time (JMS)."""
+        return self._named_consumer(
+            SubscriptionKind.DURABLE, topic, name, selector, prefetch, dedup, max_redeliveries
+        )
+
+    def create_shared_consumer(
+        self,
+        topic: str | Destination,
+        name: str,
+        *,
+        prefetch: int = DEFAULT_PREFETCH,
+        dedup: int | None = None,
+        max_redeliveries: int | None = None,
+    ) -> Consumer:
+        """A consumer of the shared subscription ``name`` to ``topic``: its consumers, on
+        this connection or others, share its messages; it ends with its last consumer."""
+        return self._named_consumer(
+            SubscriptionKind.SHARED, topic, name, None, prefetch, dedup, max_redeliveries
+        )
+
+    def create_shared_durable_consumer(
+        self,
+        topic: str | Destination,
+        name: str,
+        *,
+        prefetch: int = DEFAULT_PREFETCH,
+        dedup: int | None = None,
+        max_redeliveries: int | None = None,
+    ) -> Consumer:
+        """A consumer of the shared durable subscription ``name`` to ``topic``: shared by
+        its consumers and kept by the broker while it has none."""
+        return self._named_consumer(
+            SubscriptionKind.SHARED_DURABLE, topic, name, None, prefetch, dedup, max_redeliveries
+        )
+
+    def _named_consumer(
+        self,
+        kind: SubscriptionKind,
+        topic: str | Destination,
+        name: str,
+        selector: str | None,
+        prefetch: int,
+        dedup: int | None,
+        max_redeliveries: int | None,
+    ) -> Consumer:
+        target = parse_destination(topic)
+        named = named_subscription(kind, target, name, self.connection.policy.client_id)
+        return self.create_consumer(
+            target,
+            selector=selector,
+            prefetch=prefetch,
+            dedup=dedup,
+            max_redeliveries=max_redeliveries,
+            _named=named,
+        )
+
+    def _named_open(self) -> list[tuple[NamedSubscription, Destination, str | None]]:
+        """Under the lock: the named subscriptions this connection has consumers on."""
+        return [
+            (consumer.named, consumer.destination, consumer.selector)
+            for session in self.connection._sessions.values()
+            for consumer in session._consumers.values()
+            if consumer.named is not None and not consumer._closed
+        ]
+
+    def _shared_window(self, named: NamedSubscription) -> Consumer | None:
+        """Under the lock: an open consumer of the shared subscription ``named`` on this
+        connection that has a duplicate window, if any."""
+        if not named.shared:
+            return None
+        for session in self.connection._sessions.values():
+            for other in session._consumers.values():
+                if other.named == named and other._dedup is not None and not other._closed:
+                    return other
+        return None
+
+    def _share_duplicate_window(self, consumer: Consumer) -> None:
+        """Under the lock: consumers of one shared subscription on this connection share
+        one duplicate window: a message whose acknowledge a failover lost may come again
+        to another of them, which must drop it too."""
+        named = consumer.named
+        if named is None or not named.shared or consumer._dedup is None:
+            return
+        for session in self.connection._sessions.values():
+            for other in session._consumers.values():
+                if other.named == named and other._dedup is not None and not other._closed:
+                    consumer._dedup = other._dedup
+                    return
+
+    def unsubscribe(self, name: str) -> None:
+        """Delete the durable subscription ``name`` (shared or not) and what it holds; JMS
+        forbids it while this connection has a consumer on it."""
+        self._check_open()
+        connection = self.connection
+        with connection._cond:
+            check_can_unsubscribe(name, (named for named, _, _ in self._named_open()))
+            link = connection._admit(connection._failover_deadline())
+            completion = SendCompletion(connection, None)
+            token = connection._call(
+                CallKind.SUBSCRIBE, completion, self, subscription=f"unsubscribe:{name}"
+            )
+            broker_name = broker_subscription_name(name, connection.policy.client_id)
+            if not link.calls_block:
+                command_id = connection._window.next_id if link.windowed else -1
+                link.remove_subscription(broker_name, token=token)
+                connection._written(token, link, command_id, asked=True)
+        if link.calls_block:
+            try:
+                link.remove_subscription(broker_name, token=token)
+            except HaFailoverError as exc:
+                with connection._cond:
+                    if not isinstance(exc, NotConnectedError | UnblockedError):
+                        connection._abandon(token, exc)
+                raise
+        completion.result()
 
     def create_browser(self, queue: str | Destination) -> Browser:
         """Iterate over the messages waiting on a queue without consuming them (F11)."""

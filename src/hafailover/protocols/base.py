@@ -24,6 +24,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from hafailover.core.subscriptions import NamedSubscription
 from hafailover.core.window import ConfirmationWindow
 from hafailover.destination import Destination
 from hafailover.errors import ProtocolError, RemoteError
@@ -204,9 +205,16 @@ class Link(Protocol):
         prefetch: int,
         selector: str | None = None,
         token: int | None = None,
+        named: NamedSubscription | None = None,
     ) -> None:
         """Start a subscription (blocking on AMQP); a token is completed once the broker
-        has it, or failed with the broker's refusal."""
+        has it, or failed with the broker's refusal. ``named``: a durable or shared topic
+        subscription, resumed by that name."""
+        ...
+
+    def remove_subscription(self, name: str, *, token: int) -> None:
+        """Delete the durable subscription the broker knows as ``name`` (blocking on AMQP);
+        the token completes once the broker has, or fails with its refusal."""
         ...
 
     def pull(self, subscription: str) -> None:
@@ -231,6 +239,10 @@ class Link(Protocol):
 
     def redeliver(self, subscription: str, tag: str) -> None:
         """Give one delivery back for redelivery, counted as a failed attempt."""
+        ...
+
+    def reject(self, subscription: str, tag: str) -> None:
+        """Refuse one delivery for good: the broker moves it to its dead-letter address."""
         ...
 
     def begin(self) -> object:

@@ -92,9 +92,12 @@ class Outbox:
         if error is not None:
             self._report(error)
         elif queue:
-            # Queued while the lock was held here: its thread found it taken and left it
-            # to this one (rare: the window is one non-blocking write).
-            self.flush()
+            # Queued while the lock was held here by a thread that gave up waiting for it
+            # (rare: the window is one non-blocking write, the hand-over waits _HANDOVER).
+            # Its bytes are left to this thread, which must not block on them: a full
+            # socket would stop it checking the broker's heart-beats. A thread of their
+            # own writes them; it ends with the write (or with the socket the loss closes).
+            threading.Thread(target=self.flush, name="hafailover-outbox", daemon=True).start()
 
     def _report(self, error: Exception) -> None:
         try:

@@ -17,6 +17,7 @@ from typing import Final
 
 import attrs
 
+from hafailover._units import parse_duration
 from hafailover.destination import Destination, parse_destination
 from hafailover.errors import ConfigurationError, InvalidURLError
 from hafailover.url import FailoverPolicy, parse_url
@@ -45,6 +46,7 @@ SINK_OPTIONS: Final = (
     "delivery_guarantee",
     "commit_log",
     "batch_id",
+    "broker_duplicate_id_retention",
 )
 # Options Spark itself adds to a streaming sink's map; they are not ours to judge.
 _SPARK_OPTIONS: Final = frozenset({"checkpointlocation", "path", "queryname"})
@@ -72,6 +74,10 @@ class SinkOptions:
     commit_log: str | None = None
     # A batch write's batch id (the foreachBatch helper passes Spark's); None: "write".
     batch_id: str | None = None
+    # How long the user says the broker keeps duplicate ids (seconds), which the sink cannot
+    # ask a broker; None: unknown, and exactly_once warns that it cannot know a retry is
+    # covered.
+    broker_duplicate_id_retention: float | None = None
 
     @property
     def connection_key(self) -> tuple[str, str | None, str | None]:
@@ -147,6 +153,23 @@ class SinkOptions:
                 f'option "positional_ids" is {positional_text!r}; accepted: true, false'
             )
 
+        retention = None
+        retention_text = given.get("broker_duplicate_id_retention")
+        if retention_text is not None:
+            try:
+                retention = parse_duration(str(retention_text).strip())
+            except ValueError as exc:
+                raise ConfigurationError(
+                    f'option "broker_duplicate_id_retention": {exc}; give how long the broker '
+                    'keeps duplicate ids, e.g. "1h" (the bundled pair\'s '
+                    "--duplicate-id-retention)"
+                ) from None
+            if retention <= 0:
+                raise ConfigurationError(
+                    f'option "broker_duplicate_id_retention" is {retention_text!r}: a broker '
+                    "that keeps ids for no time covers no retry; leave the option out"
+                )
+
         return cls(
             url=full_url,
             policy=policy,
@@ -159,6 +182,7 @@ class SinkOptions:
             delivery_guarantee=guarantee,
             commit_log=given.get("commit_log") or None,
             batch_id=batch_id,
+            broker_duplicate_id_retention=retention,
         )
 
 

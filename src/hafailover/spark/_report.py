@@ -18,11 +18,20 @@ from typing import Any
 
 from pyspark.sql.datasource import WriterCommitMessage
 
+from hafailover._units import format_duration
 from hafailover.spark._options import DeliveryGuarantee, SinkOptions
 from hafailover.spark._rows import ColumnPlan
 from hafailover.spark._worker import PartitionResult
 
-__all__ = ["ORDER_WARNING", "BatchReport", "SinkCommit", "log_report", "warn_if_order_matters"]
+__all__ = [
+    "ORDER_WARNING",
+    "RETENTION_WARNING",
+    "BatchReport",
+    "SinkCommit",
+    "log_report",
+    "warn_if_order_matters",
+    "warn_if_retention_unknown",
+]
 
 logger = logging.getLogger("hafailover.spark")
 
@@ -51,6 +60,8 @@ class BatchReport:
     replayed: int
     resent: int
     in_doubt: int
+    # Tasks whose broker does not drop a copy by its duplicate id: a retry stores twice.
+    without_duplicate_detection: int = 0
 
     @classmethod
     def from_results(
@@ -77,6 +88,7 @@ class BatchReport:
             replayed=sum(r.replayed for r in done),
             resent=sum(r.resent for r in done),
             in_doubt=sum(r.in_doubt for r in done),
+            without_duplicate_detection=sum(1 for r in done if not r.duplicate_detection),
         )
 
     @classmethod
@@ -98,6 +110,12 @@ class BatchReport:
             f"({self.retried_tasks} retried); sent {self.sent}, confirmed {self.confirmed}, "
             f"failovers {self.failovers}, replayed {self.replayed}, resent {self.resent}, "
             f"in doubt {self.in_doubt}"
+            + (
+                f"; {self.without_duplicate_detection} tasks wrote to a broker without "
+                "duplicate detection: a retry of theirs stores its rows twice"
+                if self.without_duplicate_detection
+                else ""
+            )
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -120,7 +138,9 @@ def log_report(report: BatchReport, commit_log: str | None, *, in_worker: bool) 
     """Log the batch's summary (a warning if it was aborted or left sends in doubt) and
     append it to ``commit_log`` if one is set."""
     log = _worker_logger() if in_worker else logger
-    level = logging.INFO if report.committed and not report.in_doubt else logging.WARNING
+    level = logging.INFO
+    if not report.committed or report.in_doubt or report.without_duplicate_detection:
+        level = logging.WARNING
     log.log(level, report.summary())
     if commit_log:
         with Path(commit_log).open("a", encoding="utf-8") as file:
@@ -147,3 +167,34 @@ def warn_if_order_matters(options: SinkOptions, plan: ColumnPlan) -> None:
     ):
         # The writer is made in a Python process Spark starts next to the driver.
         _worker_logger().warning(ORDER_WARNING)
+
+
+# No broker says how long it keeps duplicate ids, and the bundled pair's retention is its
+# operator's choice: unless the user states it, a write cannot know a retry is covered.
+RETENTION_WARNING = (
+    "hafailover sink: exactly_once rests on the broker still remembering a row's duplicate id "
+    "when a task retry or a re-run batch sends the row again, and the sink cannot know how long "
+    "it does: the bundled pair keeps ids for --duplicate-id-retention (default 1h) beyond its "
+    "newest --duplicate-id-cache-size ids per address; ActiveMQ Artemis keeps only the newest "
+    "id-cache-size ids per address (a retry after more later messages stores its rows twice); "
+    "a broker without duplicate detection keeps none. Make the broker's retention longer than "
+    "the longest retry or restart, then say so with "
+    '.option("broker_duplicate_id_retention", "<duration>") to silence this warning'
+)
+
+
+def warn_if_retention_unknown(options: SinkOptions) -> None:
+    """Log ``RETENTION_WARNING`` for an exactly-once write whose user did not say how long
+    the broker keeps duplicate ids; otherwise log what the write relies on."""
+    if options.delivery_guarantee is not DeliveryGuarantee.EXACTLY_ONCE:
+        return
+    retention = options.broker_duplicate_id_retention
+    if retention is None:
+        _worker_logger().warning(RETENTION_WARNING)
+    else:
+        _worker_logger().info(
+            "hafailover sink: exactly_once relies on the broker keeping duplicate ids for "
+            "%s (broker_duplicate_id_retention; the sink cannot check it): a retry or restart "
+            "must come sooner",
+            format_duration(retention),
+        )

@@ -64,6 +64,9 @@ class PartitionResult:
     in_doubt: int
     seconds: float
     worker: int  # the Python worker's pid: tasks of one worker share its connection
+    # The broker drops a copy by its duplicate id (the bundled pair, Artemis): without it a
+    # retried task stores its rows twice.
+    duplicate_detection: bool = True
 
 
 class _Link:
@@ -189,4 +192,5 @@ def write_partition(
         in_doubt=after.in_doubt - before.in_doubt,
         seconds=time.monotonic() - started,
         worker=os.getpid(),
+        duplicate_detection=link.connection.broker_detects_duplicates,
     )

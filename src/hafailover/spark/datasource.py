@@ -34,7 +34,13 @@ from pyspark.sql.types import StructType
 
 from hafailover.errors import ConfigurationError, IllegalStateError
 from hafailover.spark._options import SinkOptions
-from hafailover.spark._report import BatchReport, SinkCommit, log_report, warn_if_order_matters
+from hafailover.spark._report import (
+    BatchReport,
+    SinkCommit,
+    log_report,
+    warn_if_order_matters,
+    warn_if_retention_unknown,
+)
 from hafailover.spark._rows import ColumnPlan, plan_columns
 from hafailover.spark._worker import BATCH_ID_PROPERTY, QUERY_ID_PROPERTY, local_property
 from hafailover.spark._worker import write_partition as _write_partition
@@ -60,6 +66,7 @@ class HaFailoverDataSource(DataSource):
         options = SinkOptions.parse(self.options)
         plan = plan_columns(schema, options)
         warn_if_order_matters(options, plan)
+        warn_if_retention_unknown(options)
         return options, plan
 
     def writer(self, schema: StructType, overwrite: bool) -> BatchWriter:

@@ -23,6 +23,8 @@ DUPLICATE_ID: Final = "_AMQ_DUPL_ID"
 DECLARE: Final = symbol("amqp:declare:list")
 DISCHARGE: Final = symbol("amqp:discharge:list")
 LOCAL_TRANSACTIONS: Final = symbol("amqp:local-transactions")
+# A source capability: the subscription is shared by every link that names it (Qpid JMS).
+SHARED: Final = symbol("shared")
 DECLARED: Final = 0x33
 TRANSACTIONAL_STATE: Final = 0x34
 ACCEPTED: Final = 0x24

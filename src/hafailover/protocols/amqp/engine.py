@@ -89,6 +89,7 @@ from hafailover.protocols.amqp.codec import (
     OUTCOME_NAMES,
     REJECTED,
     RELEASED,
+    SHARED,
     TRANSACTIONAL_STATE,
     decode_message,
 )
@@ -317,13 +318,20 @@ class AmqpEngine:
     """
 
     def __init__(
-        self, events: AmqpEvents, *, heartbeat: float = 1.0, tls: TlsOptions | None = None
+        self,
+        events: AmqpEvents,
+        *,
+        heartbeat: float = 1.0,
+        tls: TlsOptions | None = None,
+        container_id: str | None = None,
     ) -> None:
         """``heartbeat``: the broker is declared dead after twice this many seconds of
         silence; the Open asks it to send something at least every ``heartbeat`` seconds
         (0 turns both off). ``tls``: how amqps checks the broker (the system's CAs and its
-        host name by default) and shows itself."""
+        host name by default) and shows itself. ``container_id``: the Open's container id
+        (the client id; a fresh one when None)."""
         self.events = events
+        self.container_id = container_id
         self.heartbeat = heartbeat
         self.tls = tls or TlsOptions()
         self.broker: BrokerAddress | None = None
@@ -350,6 +358,11 @@ class AmqpEngine:
         self._incoming: dict[int, tuple[Delivery, _Subscription]] = {}
         self._confirming: dict[Delivery, int] = {}  # outcome sent, broker's settle awaited
         self._coordinator: Sender | None = None
+        # Receivers this side detached or closed, by name, until the broker has answered:
+        # proton writes a new link's attach before an old link's detach, so an attach that
+        # reuses the name (a durable subscription resumed or removed) waits for the answer.
+        self._detaching: dict[str, Link] = {}
+        self._held_attaches: dict[str, list[Link]] = {}
         self._control: dict[Delivery, tuple[bool, Pending[Any]]] = {}  # is-declare, request
         self._names = itertools.count(1)
         self._dead = False  # the connection is given up: what comes now is its ending
@@ -382,7 +395,9 @@ class AmqpEngine:
 
     def _build(self, broker: BrokerAddress) -> None:
         connection = Connection()
-        connection.container = f"hafailover-{uuid.uuid4()}"
+        # The client id, when there is one, is the container id (Qpid JMS): brokers that
+        # qualify a durable subscription by its container find it again after a reconnect.
+        connection.container = self.container_id or f"hafailover-{uuid.uuid4()}"
         connection.hostname = broker.host
         collector = proton.Collector()
         connection.collect(collector)
@@ -594,12 +609,16 @@ class AmqpEngine:
         settle_on_delivery: bool,
         durable_name: str | None = None,
         browse: bool = False,
+        shared_name: str | None = None,
     ) -> Pending[None]:
         """Attach a receiver; the Pending completes once the broker has, and messages then
         arrive as ``on_message``. ``settle_on_delivery``: the broker settles as it sends (at
         most once); else each delivery waits for ``settle``. ``credit`` is kept outstanding
         (0: none until ``pull``). ``browse``: copy the queue's waiting messages without
-        consuming them, then ``on_browse_end`` once the broker has drained the link."""
+        consuming them, then ``on_browse_end`` once the broker has drained the link.
+        ``durable_name`` names a durable subscription (the link's name, a durable source);
+        ``shared_name`` a shared one (the source's capability ``shared``, the link named
+        ``<name>|<subscription id>``), durable too when both are given."""
         if isinstance(credit, bool) or not isinstance(credit, int) or credit < 0:
             raise ConfigurationError(f"credit must be a whole number of at least 0, not {credit!r}")
         self._require_open()
@@ -609,11 +628,18 @@ class AmqpEngine:
             f"{self._broker_text()}: subscribe {subscription_id!r} to {destination}"
         )
         with map_errors(self._broker_text()):
-            name = durable_name or f"hafailover-receiver-{next(self._names)}"
+            if shared_name is not None:
+                # Link names are unique on a connection; the broker reads a shared
+                # subscription's name up to the '|' (as Qpid JMS names its shared links).
+                name = f"{shared_name}|{subscription_id}"
+            else:
+                name = durable_name or f"hafailover-receiver-{next(self._names)}"
             link = self._require_session().receiver(name)
             link.source.address = self.address(destination)
             if durable_name is not None or self.durable_node(destination):
                 _make_durable(link.source)
+            if shared_name is not None:
+                link.source.capabilities.put_object(SHARED)
             if browse:
                 link.source.distribution_mode = Terminus.DIST_MODE_COPY
             if settle_on_delivery or browse:
@@ -633,8 +659,46 @@ class AmqpEngine:
             self._subscriptions[subscription_id] = subscription
             self._link_subscription[link] = subscription
             self._pending.add(attaching)
-            link.open()
+            self._open_receiver(link)
         return attaching
+
+    def attach_subscription(self, subscription_id: str, name: str) -> Pending[None]:
+        """Attach to the durable subscription ``name`` without naming its topic (a source
+        with no address, as Qpid JMS does to unsubscribe): the broker answers with the
+        subscription's source, or refuses when it has none of that name. No credit is
+        given; ``unsubscribe(subscription_id, remove_durable=True)`` then deletes it."""
+        self._require_open()
+        if subscription_id in self._subscriptions:
+            raise IllegalStateError(f"subscription {subscription_id!r} exists already")
+        attaching: Pending[None] = Pending(
+            f"{self._broker_text()}: find durable subscription {name!r}"
+        )
+        with map_errors(self._broker_text()):
+            link = self._require_session().receiver(name)
+            _make_durable(link.source)
+            link.snd_settle_mode = Link.SND_UNSETTLED
+            link.rcv_settle_mode = Link.RCV_FIRST
+            subscription = _Subscription(
+                subscription_id,
+                link,
+                Destination.topic(name),
+                0,
+                durable=True,
+                attaching=attaching,
+            )
+            self._subscriptions[subscription_id] = subscription
+            self._link_subscription[link] = subscription
+            self._pending.add(attaching)
+            self._open_receiver(link)
+        return attaching
+
+    def _open_receiver(self, link: Receiver) -> None:
+        """Open ``link`` now, or once the broker has answered the detach of an earlier link
+        of the same name."""
+        if link.name in self._detaching:
+            self._held_attaches.setdefault(link.name, []).append(link)
+        else:
+            link.open()
 
     def settle(
         self,
@@ -660,6 +724,11 @@ class AmqpEngine:
                 self._emit(self.events.on_settled, token, None)  # settled already
             return
         delivery, _ = entry
+        if outcome is Outcome.MODIFIED and self._dialect is _Dialect.RABBITMQ:
+            # RabbitMQ 3.10 ends the session on a modified outcome ("Unrecognised state"):
+            # released gives the message back there too (uncounted: the consumer counts
+            # its failures itself for max_redeliveries).
+            outcome = Outcome.RELEASED
         with map_errors(self._broker_text()):
             self._set_outcome(delivery, outcome, tx)
         if token is not None and self._dialect is not _Dialect.RABBITMQ:
@@ -709,6 +778,8 @@ class AmqpEngine:
                 link.detach()  # a detach keeps a durable subscription, a close removes it
             else:
                 link.close()
+            if link.state & Endpoint.REMOTE_ACTIVE:
+                self._detaching[link.name] = link
 
     def _forget_subscription(self, subscription: _Subscription) -> None:
         self._subscriptions.pop(subscription.name, None)
@@ -1044,6 +1115,11 @@ class AmqpEngine:
                 link.close()
 
     def _link_ended_by_peer(self, link: Link) -> None:
+        if self._detaching.get(link.name) == link:
+            del self._detaching[link.name]
+            for held in self._held_attaches.pop(link.name, []):
+                held.open()
+            return
         condition = link.remote_condition
         reason = condition_text(condition)
         if link.state & Endpoint.LOCAL_ACTIVE:

@@ -13,6 +13,7 @@ import proton
 from proton import Condition, Delivery
 
 from hafailover.errors import (
+    BrokerResourceError,
     CallTimeoutError,
     ConfigurationError,
     HaFailoverError,
@@ -90,10 +91,16 @@ def refuses_request(condition: Condition | None) -> bool:
     return condition is not None and condition.name in _REQUEST_REFUSED
 
 
+# The broker lacks a resource (Artemis: an address full; the bundled broker: its disk full).
+RESOURCE_LIMIT_EXCEEDED: Final = "amqp:resource-limit-exceeded"
+
+
 def condition_error(condition: Condition | None, what: str) -> RemoteError:
     """A request the broker refused, as our error."""
     if condition is not None and condition.name == UNAUTHORIZED:
         return SecurityError(f"{what}: refused: {condition_text(condition)}")
+    if condition is not None and condition.name == RESOURCE_LIMIT_EXCEEDED:
+        return BrokerResourceError(f"{what}: refused: {condition_text(condition)}")
     return ProtocolError(f"{what}: refused: {condition_text(condition)}")
 
 
@@ -114,7 +121,10 @@ def outcome_error(state: int, delivery: Delivery, what: str) -> ProtocolError | 
     name = OUTCOME_NAMES.get(state, f"state {state:#x}")
     detail = ""
     if state == REJECTED:
-        detail = f": {condition_text(delivery.remote.condition)}"
+        condition = delivery.remote.condition
+        detail = f": {condition_text(condition)}"
+        if condition is not None and condition.name == RESOURCE_LIMIT_EXCEEDED:
+            return BrokerResourceError(f"{what}: the broker {name} the message{detail}")
     elif state == MODIFIED:
         remote = delivery.remote
         detail = f" (delivery-failed={remote.failed}, undeliverable-here={remote.undeliverable})"

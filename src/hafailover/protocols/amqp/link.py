@@ -7,8 +7,10 @@ and owes the driver: ``hafailover.protocols.base.Link``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
+from hafailover.core.subscriptions import NamedSubscription
 from hafailover.destination import Destination
 from hafailover.errors import (
     CallTimeoutError,
@@ -48,7 +50,9 @@ class AmqpLink:
             call_timeout=policy.call_timeout,
             # Requests made under the driver's lock are written once it is released.
             flush_later=self._flush_later,
+            container_id=policy.client_id,
         )
+        self._removals = itertools.count(1)
         self.broker: BrokerAddress = policy.brokers[0]
 
     def _flush_later(self, flush: Callable[[], None]) -> None:
@@ -79,15 +83,37 @@ class AmqpLink:
         prefetch: int,
         selector: str | None = None,
         token: int | None = None,
+        named: NamedSubscription | None = None,
     ) -> None:
-        error: RemoteError | None = None
-        try:
-            self._transport.subscribe(
+        # A named subscription is a link of that name (Qpid JMS): with a durable source
+        # when durable, with the capability "shared" when shared; the container id is the
+        # client id (``open``).
+        name = None if named is None else named.broker_name
+        self._answer(
+            token,
+            lambda: self._transport.subscribe(
                 subscription,
                 destination,
                 credit=prefetch,  # 0: credit only while a receive waits (pull)
                 settle_on_delivery=not acknowledged,
-            )
+                durable_name=name if named is not None and named.durable else None,
+                shared_name=name if named is not None and named.shared else None,
+            ),
+        )
+
+    def remove_subscription(self, name: str, *, token: int) -> None:
+        self._answer(
+            token,
+            lambda: self._transport.remove_subscription(
+                f"unsubscribe-{name}-{next(self._removals)}", name
+            ),
+        )
+
+    def _answer(self, token: int | None, call: Callable[[], None]) -> None:
+        """Make a blocking call and complete ``token`` with the broker's answer."""
+        error: RemoteError | None = None
+        try:
+            call()
         except RemoteError as exc:
             if token is None or isinstance(
                 exc, NotConnectedError | UnblockedError | CallTimeoutError
@@ -120,6 +146,9 @@ class AmqpLink:
 
     def redeliver(self, subscription: str, tag: str) -> None:
         self._transport.settle(int(tag), Outcome.MODIFIED)
+
+    def reject(self, subscription: str, tag: str) -> None:
+        self._transport.settle(int(tag), Outcome.REJECTED)
 
     def begin(self) -> object:
         return self._transport.declare()

@@ -79,6 +79,7 @@ class AmqpTransport:
         call_timeout: float = 30.0,
         tls: TlsOptions | None = None,
         flush_later: Callable[[Callable[[], None]], None] | None = None,
+        container_id: str | None = None,
     ) -> None:
         """``heartbeat``: the broker is declared dead after twice this many seconds of
         silence; the Open asks it to send something at least every ``heartbeat`` seconds
@@ -86,13 +87,14 @@ class AmqpTransport:
         blocking calls unless they are given a timeout. ``tls``: how amqps checks the broker
         (the system's CAs and its host name by default) and shows itself. ``flush_later``:
         given the outbox's flush after a request queued bytes, to call once the caller's
-        own locks are released (the driver's lock); None: flushed at once."""
+        own locks are released (the driver's lock); None: flushed at once.
+        ``container_id``: the Open's container id (a fresh one when None)."""
         self.events = events
         self.heartbeat = heartbeat
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
         self.broker: BrokerAddress | None = None
-        self._engine = AmqpEngine(events, heartbeat=heartbeat, tls=tls)
+        self._engine = AmqpEngine(events, heartbeat=heartbeat, tls=tls, container_id=container_id)
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._reader: threading.Thread | None = None
@@ -192,6 +194,7 @@ class AmqpTransport:
         durable_name: str | None = None,
         timeout: float | None = None,
         browse: bool = False,
+        shared_name: str | None = None,
     ) -> None:
         """Attach a receiver and wait until the broker has (``AmqpEngine.subscribe``)."""
         self._wait(
@@ -202,6 +205,7 @@ class AmqpTransport:
                 settle_on_delivery=settle_on_delivery,
                 durable_name=durable_name,
                 browse=browse,
+                shared_name=shared_name,
             ),
             timeout,
         )
@@ -213,6 +217,14 @@ class AmqpTransport:
     def drain(self, subscription_id: str, *, timeout: float | None = None) -> None:
         """Take a pull's credit back and wait until the broker has used or returned it."""
         self._wait(lambda: self._engine.drain(subscription_id), timeout)
+
+    def remove_subscription(
+        self, subscription_id: str, name: str, *, timeout: float | None = None
+    ) -> None:
+        """Delete the durable subscription ``name``: attach to it by name alone and wait,
+        then close the link (``AmqpEngine.attach_subscription``)."""
+        self._wait(lambda: self._engine.attach_subscription(subscription_id, name), timeout)
+        self.unsubscribe(subscription_id, remove_durable=True)
 
     def settle(
         self,

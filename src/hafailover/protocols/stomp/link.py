@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Final
 
+from hafailover.core.subscriptions import NamedSubscription
 from hafailover.core.window import ConfirmationWindow, command_flags
 from hafailover.destination import Destination, DestinationKind
 from hafailover.errors import (
@@ -74,6 +75,7 @@ class StompLink:
             reattach=resume,
             window=window if window > 0 else -1,
             connection_ttl=policy.connection_ttl,
+            client_id=policy.client_id,
         )
         self.windowed = opened.session_id is not None and window > 0
         return opened
@@ -125,6 +127,7 @@ class StompLink:
         prefetch: int,
         selector: str | None = None,
         token: int | None = None,
+        named: NamedSubscription | None = None,
     ) -> None:
         headers = {
             "destination": stomp_address(destination),
@@ -135,6 +138,8 @@ class StompLink:
             headers["prefetch-count"] = str(prefetch)
         if selector is not None:
             headers["selector"] = selector
+        if named is not None:
+            headers.update(_named_headers(named))
         if token is not None:
             headers["receipt"] = f"{_TOKEN_PREFIX}{token}"
         self._write("SUBSCRIBE", headers)
@@ -165,6 +170,21 @@ class StompLink:
 
     def redeliver(self, subscription: str, tag: str) -> None:
         self._write("NACK", {"id": tag})
+
+    def reject(self, subscription: str, tag: str) -> None:
+        # RabbitMQ's header: a NACK that does not requeue dead-letters the message.
+        self._write("NACK", {"id": tag, "requeue": "false"})
+
+    def remove_subscription(self, name: str, *, token: int) -> None:
+        # Artemis deletes a durable subscription on an UNSUBSCRIBE that names it.
+        self._write(
+            "UNSUBSCRIBE",
+            {
+                "id": f"unsubscribe-{name}",
+                "durable-subscription-name": name,
+                "receipt": f"{_TOKEN_PREFIX}{token}",
+            },
+        )
 
     def begin(self) -> object:
         name = f"tx-{self.serial}-{next(self._tx_names)}"
@@ -218,6 +238,28 @@ class StompLink:
 
     def abort(self) -> None:
         self._transport.abort()
+
+
+def _named_headers(named: NamedSubscription) -> dict[str, str]:
+    """The headers of a durable or shared subscription: Artemis's and the reference broker's
+    (``durable-subscription-name``; ``shared-subscription-name`` for a shared one that is
+    not durable; ``hafailover-exclusive`` for one that is not shared: one consumer at a
+    time) and RabbitMQ's (``durable`` and ``auto-delete`` with a queue of that name,
+    ``x-queue-name``; its ``exclusive`` header would make the queue die with the
+    connection, so it is not sent)."""
+    name = named.broker_name
+    headers = {"x-queue-name": name}
+    if named.durable:
+        headers.update(
+            {"durable-subscription-name": name, "durable": "true", "auto-delete": "false"}
+        )
+    else:
+        headers["shared-subscription-name"] = name
+    if not named.shared:
+        headers["hafailover-exclusive"] = "true"
+    if named.client_id is not None:
+        headers["client-id"] = named.client_id
+    return headers
 
 
 class _StompEvents:

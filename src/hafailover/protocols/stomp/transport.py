@@ -34,7 +34,12 @@ import stomp
 import stomp.exception
 
 from hafailover.destination import Destination, DestinationKind, parse_destination
-from hafailover.errors import NotConnectedError, ProtocolError, SecurityError
+from hafailover.errors import (
+    BrokerResourceError,
+    NotConnectedError,
+    ProtocolError,
+    SecurityError,
+)
 from hafailover.message import Message, PropertyValue, stamps_duplicate_id
 from hafailover.protocols.base import Opened, TlsOptions, detects_duplicates, parse_topology
 from hafailover.protocols.outbox import Chunk, Outbox
@@ -248,13 +253,25 @@ class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
 
     def on_error(self, frame: Any) -> None:
         message = frame.headers.get("message", "") or str(frame.body)
-        self._transport._failed(message, frame.headers.get("receipt-id"))
+        self._transport._failed(message, frame.headers.get("receipt-id"), frame.headers.get("code"))
 
     def on_disconnected(self) -> None:
         self._transport._lost("connection closed")
 
     def on_heartbeat_timeout(self) -> None:
         self._transport._lost("heart-beat timeout")
+
+
+# ERROR frames whose ``code`` header says the broker lacks a resource (the bundled broker's
+# engine codes); any other ERROR is a ProtocolError.
+_RESOURCE_CODES: Final = frozenset({"DISK_FULL"})
+
+
+def error_frame_error(text: str, code: str | None) -> ProtocolError:
+    """The error an ERROR frame becomes (its ``code`` header, when it has one, decides)."""
+    if code in _RESOURCE_CODES:
+        return BrokerResourceError(f"{text} (code {code})")
+    return ProtocolError(text)
 
 
 class StompTransport:
@@ -293,8 +310,11 @@ class StompTransport:
         reattach: str | None = None,
         window: int = -1,
         connection_ttl: float | None = None,
+        client_id: str | None = None,
     ) -> Opened:
-        """Connect and log in; ask to reattach to session ``reattach`` if given."""
+        """Connect and log in; ask to reattach to session ``reattach`` if given.
+        ``client_id``: sent as ``client-id`` (Artemis and ActiveMQ name durable
+        subscriptions by it)."""
         self.broker = broker
         ms = int(self.heartbeat * 1000)
         connection = stomp.Connection12(
@@ -333,6 +353,8 @@ class StompTransport:
             headers["hafailover-ttl"] = str(ttl_ms if connection_ttl is not None else 2**31 - 1)
         if reattach is not None:
             headers["hafailover-reattach"] = reattach
+        if client_id is not None:
+            headers["client-id"] = client_id
         try:
             with _map_errors(broker):
                 connection.connect(broker.user, broker.password, wait=False, headers=headers)
@@ -468,12 +490,12 @@ class StompTransport:
         self._connected_headers = headers
         self._opened.set()
 
-    def _failed(self, message: str, receipt_id: str | None = None) -> None:
+    def _failed(self, message: str, receipt_id: str | None = None, code: str | None = None) -> None:
         if not self._opened.is_set():
             self._error = message
             self._opened.set()
             return
-        error = ProtocolError(f"{self._broker_text()}: {message}")
+        error = error_frame_error(f"{self._broker_text()}: {message}", code)
         error.receipt_id = receipt_id  # the frame that caused it, when it asked for a receipt
         self.events.on_error(error)
 

@@ -1,0 +1,56 @@
+"""Consumers of one shared subscription on one connection share their duplicate window: a
+copy that reaches another of them than the first is dropped too (scripted broker)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import hafailover
+from hafailover import AckMode, Message
+
+from .fake import FAST_URL, FakeBroker, link_factory
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def broker() -> Iterator[FakeBroker]:
+    started = FakeBroker(duplicate_detection=False)  # it stores every copy, as RabbitMQ does
+    started.start()
+    yield started
+    started.stop()
+
+
+def put(broker: FakeBroker, message: Message) -> None:
+    with broker.lock:
+        broker.queues["prices"].append(message)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_copy_is_dropped_by_another_consumer_of_the_shared_subscription(
+    broker: FakeBroker, shared: bool
+) -> None:
+    url = f"{FAST_URL}&consumer_dedup=100&client_id=app"
+    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
+        first_session = connection.create_session(AckMode.AUTO)
+        other_session = connection.create_session(AckMode.AUTO)
+        first = first_session.create_shared_durable_consumer("topic://prices", "pool")
+        connection.start()
+        put(broker, Message("tick", message_id="m-1"))
+        got = first.receive(5)
+        assert got is not None
+        assert got.text == "tick"
+        if shared:
+            other = other_session.create_shared_durable_consumer("topic://prices", "pool")
+        else:  # a subscription of its own: its own window
+            other = other_session.create_shared_durable_consumer("topic://prices", "board")
+        first.close()
+        put(broker, Message("tick", message_id="m-1"))  # the copy a lost acknowledge brings
+        copy = other.receive(0.5)
+        if shared:
+            assert copy is None
+            assert other.duplicates_dropped == 1
+        else:
+            assert copy is not None
