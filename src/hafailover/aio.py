@@ -397,9 +397,11 @@ class AsyncConnection:
         failed, sends cancelled in doubt), until it is closed."""
         stream: asyncio.Queue[AsyncEvent | None] = asyncio.Queue()
         self._streams.append(stream)
-        return self._drain(stream)
+        return self._stream_events(stream)
 
-    async def _drain(self, stream: asyncio.Queue[AsyncEvent | None]) -> AsyncIterator[AsyncEvent]:
+    async def _stream_events(
+        self, stream: asyncio.Queue[AsyncEvent | None]
+    ) -> AsyncIterator[AsyncEvent]:
         try:
             while (event := await stream.get()) is not None:
                 yield event
@@ -472,6 +474,7 @@ class AsyncSession:
         reliability: LinkReliability | None = None,
         dedup: int | None = None,
         max_redeliveries: int | None = None,
+        dedup_file: str | None = None,
     ) -> AsyncConsumer:
         consumer = await self.connection._run(
             self.sync.create_consumer,
@@ -481,6 +484,7 @@ class AsyncSession:
             reliability=reliability,
             dedup=dedup,
             max_redeliveries=max_redeliveries,
+            dedup_file=dedup_file,
         )
         return AsyncConsumer(consumer, self)
 
@@ -770,6 +774,9 @@ class AsyncConsumer:
         """The next message, waiting up to ``timeout`` seconds (None: forever) without
         blocking the loop; None when none came. Waits through failover (F1); in AUTO,
         for the previous message's acknowledge when F6 needs it confirmed first."""
+        if self.sync.prefetch == 0:
+            # Zero prefetch: credit only while a receive waits, so one waits in a thread.
+            return await self._aio._run(self.sync.receive, timeout)
         try:
             message = nonblocking.receive_now(self.sync)  # the common case: one is buffered
         except WouldBlock:

@@ -43,6 +43,7 @@ __all__ = [
     "FailoverMethod",
     "FailoverPolicy",
     "Protocol",
+    "ServerListAction",
     "parse_url",
 ]
 
@@ -59,6 +60,18 @@ class FailoverMethod(enum.Enum):
     SINGLEBROKER = "singlebroker"  # retry only the broker we were connected to
     RANDOM = "random"  # a fresh random order for every pass over the list
     NOFAILOVER = "nofailover"  # never reconnect: a loss is final (DISCONNECT)
+    # the first broker is preferred: reconnects start there, and a connection elsewhere
+    # moves back to it once it answers (probed every failback_interval)
+    PRIORITY = "priority"
+
+
+class ServerListAction(enum.Enum):
+    """What the failover list a broker announces does to the known brokers (Qpid JMS
+    ``failover.amqpOpenServerListAction``)."""
+
+    ADD = "add"  # the URL's brokers, then the announced ones
+    REPLACE = "replace"  # the broker connected to, then the announced ones
+    IGNORE = "ignore"  # announcements change nothing
 
 
 # scheme -> (protocol, tls, default port)
@@ -92,6 +105,11 @@ class BrokerAddress:
     @property
     def tls(self) -> bool:
         return _SCHEMES[self.scheme][1]
+
+    @property
+    def default_port(self) -> int:
+        """The scheme's port, for an address named without one."""
+        return _SCHEMES[self.scheme][2]
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -249,6 +267,23 @@ def _render_file(value: str | None) -> str:
     return value or ""
 
 
+def _parse_new_file(text: str) -> str | None:
+    """A file the client writes (it may not exist yet, its directory must); empty for none."""
+    path = text.strip()
+    if not path:
+        return None
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"no such directory: {directory}")
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory")
+    return path
+
+
+def _parse_server_list(text: str) -> ServerListAction:
+    return ServerListAction(text.strip().lower())
+
+
 _DURATION = tuple(DURATION_UNITS_TEXT)
 _OPTIONS: Final[tuple[_Option, ...]] = (
     _Option(
@@ -293,9 +328,22 @@ _OPTIONS: Final[tuple[_Option, ...]] = (
         _render_optional_duration,
         ("-1 (wait as long as failover lasts)", *_DURATION),
     ),
+    _Option("failback_interval", _parse_positive_duration, format_duration, _DURATION),
     _Option("use_topology", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
+    _Option(
+        "failover_server_list",
+        _parse_server_list,
+        lambda v: v.value,
+        tuple(a.value for a in ServerListAction),
+    ),
     _Option("duplicate_detection", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE),
     _Option("consumer_dedup", _parse_dedup, str, ("0 (off)", "a positive count of message ids")),
+    _Option(
+        "consumer_dedup_file",
+        _parse_new_file,
+        _render_file,
+        ("the path of a file in an existing directory",),
+    ),
     _Option(
         "block_on_acknowledge", _parse_bool, lambda v: "true" if v else "false", _TRUE + _FALSE
     ),
@@ -372,9 +420,12 @@ class FailoverPolicy:
     connection_ttl: float | None = 60.0
     call_timeout: float = 30.0
     call_failover_timeout: float | None = None
+    failback_interval: float = 5.0
     use_topology: bool = True
+    failover_server_list: ServerListAction = ServerListAction.ADD
     duplicate_detection: bool = True
     consumer_dedup: int = 0
+    consumer_dedup_file: str | None = None
     block_on_acknowledge: bool = False
     client_id: str | None = None
     max_redeliveries: int = -1
@@ -428,6 +479,12 @@ class FailoverPolicy:
                 option=given[0],
                 accepted=["stomp+ssl://", "amqps://"],
             )
+        if self.consumer_dedup_file is not None and self.consumer_dedup == 0:
+            raise InvalidURLError(
+                "consumer_dedup_file keeps the duplicate window, and consumer_dedup=0 has none",
+                option="consumer_dedup",
+                accepted=["a positive count of message ids with consumer_dedup_file"],
+            )
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
             missing = "ssl_key_file" if self.ssl_key_file is None else "ssl_cert_file"
             raise InvalidURLError(
@@ -439,6 +496,11 @@ class FailoverPolicy:
     @property
     def protocol(self) -> Protocol:
         return self.brokers[0].protocol
+
+    @property
+    def server_list_action(self) -> ServerListAction:
+        """What an announced failover list does; use_topology=false ignores it."""
+        return self.failover_server_list if self.use_topology else ServerListAction.IGNORE
 
     @property
     def reattach_enabled(self) -> bool:
@@ -672,5 +734,12 @@ def parse_url(url: str) -> FailoverPolicy:
             f"reconnect_attempts={options['reconnect_attempts']}",
             option="reconnect_attempts",
             accepted=["0 with nofailover", "another failover_method"],
+        )
+    action = options.get("failover_server_list")
+    if options.get("use_topology") is False and action not in (None, ServerListAction.IGNORE):
+        raise InvalidURLError(
+            f"use_topology=false contradicts failover_server_list={action.value}",
+            option="failover_server_list",
+            accepted=["ignore with use_topology=false", "use_topology=true"],
         )
     return FailoverPolicy(brokers=tuple(brokers), given=frozenset(options), **options)

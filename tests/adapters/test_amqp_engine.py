@@ -349,3 +349,53 @@ def test_each_send_is_settled_at_most_once_and_never_after_the_loss(
     if "lost" in kinds:
         assert "settled" not in kinds[kinds.index("lost") :]
         assert engine.ended
+
+
+def _peer_sender(broker: Peer) -> Any:
+    from proton import Endpoint, Sender
+
+    link = broker.connection.link_head(Endpoint.LOCAL_ACTIVE)
+    while link is not None and not isinstance(link, Sender):
+        link = link.next(Endpoint.LOCAL_ACTIVE)
+    assert link is not None
+    return link
+
+
+def test_a_pull_subscription_has_credit_only_while_a_receive_waits() -> None:
+    """Zero prefetch: no credit at the attach, one per pull (never more), and a drain the
+    broker answers by returning it; a drain answered by a message completes after it."""
+    from proton import Message as ProtonMessage
+
+    engine, broker, events = opened()
+    attaching = engine.subscribe("s", QUEUE, credit=0, settle_on_delivery=False)
+    exchange(engine, broker, 0.1)
+    assert attaching.done
+    sender = _peer_sender(broker)
+    assert sender.credit == 0
+    engine.pull("s")
+    engine.pull("s")  # a second wake of the same receive asks for nothing more
+    exchange(engine, broker, 0.2)
+    broker.process()
+    assert sender.credit == 1
+    drained = engine.drain("s")
+    exchange(engine, broker, 0.3)
+    assert sender.drain_mode and not drained.done
+    sender.drained()  # nothing to send: the broker gives the credit back
+    exchange(engine, broker, 0.4)
+    take(engine)
+    assert drained.done and sender.credit == 0
+
+    engine.pull("s")
+    exchange(engine, broker, 0.5)
+    assert sender.credit == 1 and not sender.drain_mode  # a pull is no drain
+    drained = engine.drain("s")
+    exchange(engine, broker, 0.6)
+    sender.delivery(b"t1")
+    sender.send(ProtonMessage(body="pulled").encode())
+    sender.advance()
+    exchange(engine, broker, 0.7)
+    woke: list[list[str]] = []
+    drained.notify = lambda: woke.append(events.kinds())
+    take(engine)
+    assert drained.done
+    assert woke == [["message"]]  # the message was routed before the drain's waiter woke

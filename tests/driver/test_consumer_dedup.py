@@ -180,3 +180,30 @@ def wait_buffered(consumer: hafailover.Consumer, count: int) -> None:
     while len(consumer._buffer) < count:
         assert time.monotonic() < deadline, "nothing was delivered"
         time.sleep(0.002)
+
+
+def test_a_kept_window_is_one_consumers_and_comes_back_to_the_next(
+    broker: FakeBroker, tmp_path: object
+) -> None:
+    """consumer_dedup_file: a second consumer cannot share the file (its lock); once the
+    first closes, the next consumer starts from the ids it kept."""
+    path = f"{tmp_path}/window"
+    url = f"{URL}&consumer_dedup=100&consumer_dedup_file={path}"
+    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
+        session = connection.create_session(AckMode.AUTO)
+        first = session.create_consumer("queue://orders")
+        with pytest.raises(ConfigurationError, match="in use by another consumer"):
+            session.create_consumer("queue://orders")
+        connection.start()
+        put(broker, copy("m1", "first"))
+        assert texts(first) == ["first"]
+        first.close()
+        again = session.create_consumer("queue://orders")
+        put(broker, copy("m1", "first again"), copy("m2", "second"))
+        assert texts(again) == ["second"]
+        with pytest.raises(ConfigurationError, match="dedup=0 has none"):
+            session.create_consumer("queue://orders", dedup=0, dedup_file=f"{path}-2")
+    with pytest.raises(InvalidURLError, match="consumer_dedup=0 has none"):
+        hafailover.connect(f"{URL}&consumer_dedup_file={path}")
+    with pytest.raises(InvalidURLError, match="no such directory"):
+        hafailover.connect(f"{URL}&consumer_dedup=5&consumer_dedup_file={path}/nowhere/x")

@@ -54,3 +54,26 @@ def test_a_copy_is_dropped_by_another_consumer_of_the_shared_subscription(
             assert other.duplicates_dropped == 1
         else:
             assert copy is not None
+
+
+def test_a_shared_window_kept_in_a_file_is_written_on_by_the_consumer_left(
+    broker: FakeBroker, tmp_path: object
+) -> None:
+    """consumer_dedup_file with a shared subscription: the second consumer shares the
+    first one's window and file (no lock conflict); when the first closes, the second goes
+    on writing the file, so a later consumer reads back what the second had."""
+    from hafailover.core.dedup import replay
+
+    path = f"{tmp_path}/window"
+    url = f"{FAST_URL}&consumer_dedup=100&client_id=app&consumer_dedup_file={path}"
+    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
+        session = connection.create_session(AckMode.AUTO)
+        first = session.create_shared_durable_consumer("topic://prices", "pool")
+        second = session.create_shared_durable_consumer("topic://prices", "pool")
+        connection.start()
+        first.close()
+        put(broker, Message("tick", message_id="m-2"))
+        got = second.receive(5)
+        assert got is not None and got.text == "tick"
+    with open(path, "rb") as kept:
+        assert replay(kept.read(), 100)[0] == ("m-2",)

@@ -194,3 +194,32 @@ def test_examples_start_their_own_pair_without_a_url() -> None:
     result = run_example("stomp_basic.py")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "started the bundled pair" in result.stdout and "received 10" in result.stdout
+
+
+# --- issue 21: zero prefetch, a kept duplicate window, priority failback ----------------------
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(60)
+def test_zero_prefetch_example(pair: BrokerPair) -> None:
+    result = run_example("zero_prefetch.py", url_of(pair, "amqp"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "receive(0.2) on an empty queue: None" in result.stdout
+    assert "busy consumer received 10 of 10" in result.stdout
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(90)
+def test_dedup_file_example_drops_the_copies_after_a_restart() -> None:
+    result = run_example("dedup_file.py")  # its own pair, without duplicate detection
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "handed out 2: order 10, order 11; dropped 10 copies" in result.stdout
+    assert "each order handed out once" in result.stdout
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(90)
+def test_priority_failback_example_moves_back() -> None:
+    result = run_example("priority_failback.py")  # two brokers of its own
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "failover: " in result.stdout and "failback: " in result.stdout

@@ -123,7 +123,7 @@ def test_misuse_is_refused_and_harms_nothing(pair: BrokerPair, protocol: str) ->
         with pytest.raises(ConfigurationError):
             connection.create_session("auto")  # type: ignore[arg-type]
         with pytest.raises(ConfigurationError):
-            healthy.create_consumer("queue://misuse", prefetch=0)
+            healthy.create_consumer("queue://misuse", prefetch=-1)
         with pytest.raises(ConfigurationError):
             healthy_producer.send(12345)  # type: ignore[arg-type]
         with pytest.raises(ConfigurationError):

@@ -141,6 +141,12 @@ class AckRules:
         """Deliveries to acknowledge inside the transaction at commit (TRANSACTED)."""
         return ()
 
+    def unfinished(self) -> str | None:
+        """What a move to another broker would cut in this session now (a transaction with
+        work in it, messages the application has not acknowledged), or None: a priority
+        failback waits for a session with nothing unfinished."""
+        return None
+
     def transaction_ended(self) -> None:
         """Commit or rollback finished: the next transaction starts empty (TRANSACTED)."""
 

@@ -43,6 +43,11 @@ class ClientAckRules(AckRules):
     def unacknowledged(self) -> tuple[str, ...]:
         return tuple(self._unacked)
 
+    def unfinished(self) -> str | None:
+        if self._unacked:
+            return f"session {self.session_id} holds {len(self._unacked)} unacknowledged message(s)"
+        return None
+
     def delivered(self, tag: str) -> Delivery:
         self._unacked[tag] = None
         return super().delivered(tag)

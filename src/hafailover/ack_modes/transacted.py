@@ -30,6 +30,11 @@ class TransactedAckRules(AckRules):
         self._received.append(tag)
         return super().delivered(tag)
 
+    def unfinished(self) -> str | None:
+        if self.transaction.dirty:
+            return f"session {self.session_id} has a transaction with work in it"
+        return None
+
     def received_in_transaction(self) -> tuple[str, ...]:
         """Tags to acknowledge inside the transaction at commit."""
         return tuple(self._received)

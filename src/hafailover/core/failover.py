@@ -62,6 +62,14 @@ Effects, in the order they are returned:
   the link, whatever the failover does next.
 - F12: the first connection failing ends in FAILED with NOT_CONNECTED and no
   listener call (there was no connection to lose).
+- Priority failback (failover_method=priority): when a probe of the preferred broker
+  gets through while the connection is up elsewhere (``PreferredAnswered``), the
+  machine moves back at a clean point only: nothing in flight and no unfinished work
+  (the sessions core's ``failback_blocker``); else it stays and the next probe asks
+  again. The move is a failover like any other, begun on purpose: the old link is
+  closed gracefully (its broker gives back what it had delivered), the reconnect
+  schedule starts with the preferred broker, and the listener hears FAILOVER with
+  ``failback`` set.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ __all__ = [
     "LearnTopology",
     "Lost",
     "NotifyListener",
+    "PreferredAnswered",
     "ReattachSessions",
     "RecreateSessions",
     "Restored",
@@ -175,7 +184,19 @@ class CloseRequested:
     """The application called close()."""
 
 
-Event: TypeAlias = Connected | Lost | Restored | Exhausted | TopologyAnnounced | CloseRequested
+@attrs.frozen
+class PreferredAnswered:
+    """A probe of the preferred broker (failover_method=priority) got through while the
+    connection is on link ``link`` to another one. ``blocker`` says why this is no clean
+    point to move (the sessions core's ``failback_blocker``), empty when it is."""
+
+    link: int
+    blocker: str = ""
+
+
+Event: TypeAlias = (
+    Connected | Lost | Restored | Exhausted | TopologyAnnounced | CloseRequested | PreferredAnswered
+)
 
 
 # --- effects (outputs) --------------------------------------------------------
@@ -193,7 +214,11 @@ class CancelReconnect:
 
 @attrs.frozen
 class CloseTransport:
-    """Close the current or just-made transport."""
+    """Close the current or just-made transport: abort it (a dead or unwanted link), or
+    close it ``gracefully`` (a failback: the broker ends the session and takes back what
+    it had delivered)."""
+
+    gracefully: bool = False
 
 
 @attrs.frozen
@@ -249,6 +274,7 @@ class NotifyListener:
     code: ErrorCode
     reattached: bool = False
     reason: str = ""
+    failback: bool = False  # a move back to the preferred broker (failover_method=priority)
 
 
 Effect: TypeAlias = (
@@ -357,6 +383,20 @@ def _lost_while_up(machine: FailoverMachine, event: Event) -> _Outcome:
     ], S.FAILED
 
 
+def _preferred_answered(machine: FailoverMachine, event: Event) -> _Outcome:
+    """Move back to the preferred broker, at a clean point only; a probe about a link
+    already replaced, or made while work is unfinished, changes nothing."""
+    assert isinstance(event, PreferredAnswered)
+    if event.link != machine.link or event.blocker or not machine.reconnect_enabled:
+        return [], machine.state
+    machine.failovers_started += 1
+    machine.loss_untold = True
+    machine.failing_back = True
+    return [CloseTransport(gracefully=True), InvalidateBrowsers(), StartReconnect()], (
+        S.FAILING_OVER
+    )
+
+
 def _failed_over(machine: FailoverMachine, event: Event) -> _Outcome:
     assert isinstance(event, Connected)
     machine.broker = event.broker
@@ -379,8 +419,11 @@ def _restored(machine: FailoverMachine, event: Event) -> _Outcome:
         effects.append(UnblockPendingCalls(ErrorCode.UNBLOCKED, plan.unblock))
     effects += [
         WakeBlockedCalls(),
-        NotifyListener(ErrorCode.FAILOVER, reattached=connected.resumed),
+        NotifyListener(
+            ErrorCode.FAILOVER, reattached=connected.resumed, failback=machine.failing_back
+        ),
     ]
+    machine.failing_back = False
     return effects, S.REATTACHED if connected.resumed else S.RECONNECTED
 
 
@@ -395,6 +438,7 @@ def _failover_exhausted(machine: FailoverMachine, event: Event) -> _Outcome:
     assert isinstance(event, Exhausted)
     machine.loss_untold = False
     machine.restoring = None
+    machine.failing_back = False
     return [
         FailPendingCalls(ErrorCode.DISCONNECT),
         InvalidateBrowsers(),
@@ -434,6 +478,7 @@ _TABLE: Final[Mapping[tuple[FailoverState, type], _Handler]] = {
     **{(up, Lost): _stale_or(_lost_while_up) for up in _UP},
     **{(up, TopologyAnnounced): _learn for up in _UP},
     **{(up, CloseRequested): _close([CloseTransport()]) for up in _UP},
+    **{(up, PreferredAnswered): _preferred_answered for up in _UP},
     (S.FAILING_OVER, Connected): _attempt_opened(_failed_over),
     (S.FAILING_OVER, Lost): _lost_while_connecting,
     (S.FAILING_OVER, Exhausted): _failover_exhausted,
@@ -452,6 +497,11 @@ _TABLE: Final[Mapping[tuple[FailoverState, type], _Handler]] = {
     (S.FAILED, Exhausted): _exhausted_after_failure,
     (S.CLOSED, Exhausted): _stay([]),
     **{(end, TopologyAnnounced): _stay([]) for end in (S.FAILED, S.CLOSED)},
+    # A probe answered just as the connection went down or began to move: nothing to do.
+    **{
+        (state, PreferredAnswered): _stay([])
+        for state in (S.CONNECTING, S.FAILING_OVER, S.RESTORING, S.FAILED, S.CLOSED)
+    },
     (S.FAILED, CloseRequested): lambda machine, event: ([WakeBlockedCalls()], S.CLOSED),
     (S.CLOSED, CloseRequested): _stay([]),
 }
@@ -463,6 +513,7 @@ class FailoverMachine:
     __slots__ = (
         "broker",
         "ever_connected",
+        "failing_back",
         "failovers_completed",
         "failovers_started",
         "link",
@@ -486,6 +537,7 @@ class FailoverMachine:
         # opened), until a link is restored; and whether a loss awaits its listener call.
         self.lost_links: set[int] = set()
         self.loss_untold = False
+        self.failing_back = False  # the failover under way is a priority failback
 
     @property
     def is_up(self) -> bool:

@@ -135,6 +135,9 @@ class SessionsCore:
         # written since a frame last asked for a receipt.
         self._receipt_order: deque[int] = deque()
         self._unreceipted = 0
+        # The last window command a receipt covered (the broker had every command up to
+        # it): a reconnect resends none of those.
+        self._receipted_through = -1
         # Links without a window: bytes of confirmed sends still waiting, held to its size.
         self.unconfirmed_bytes = 0
         # Counters for the connection's statistics.
@@ -152,6 +155,27 @@ class SessionsCore:
 
     def close_session(self, session_id: int) -> None:
         self.rules.pop(session_id, None)
+
+    def failback_blocker(self) -> str | None:
+        """Why now is no clean point to move to another broker on purpose (a priority
+        failback): a call waits for the broker, or a session has unfinished work (an open
+        transaction, unacknowledged CLIENT messages). None when nothing would be cut: the
+        move then loses nothing a reconnect would report."""
+        if self.calls:
+            return f"{len(self.calls)} call(s) wait for the broker"
+        unreceipted = self.unreceipted_commands()
+        if unreceipted:
+            return f"{unreceipted} command(s) written since the broker's last receipt"
+        for rules in self.rules.values():
+            unfinished = rules.unfinished()
+            if unfinished is not None:
+                return unfinished
+        return None
+
+    def unreceipted_commands(self) -> int:
+        """Window commands no receipt has covered yet (sends made with confirm=False,
+        acknowledges nobody waits for): a sync frame's receipt covers them."""
+        return sum(1 for c in self.window if c.command_id > self._receipted_through)
 
     def committing(self, session_id: int) -> bool:
         """A commit of this session waits for the broker."""
@@ -237,6 +261,7 @@ class SessionsCore:
             )
             return Answer((), (token,), (call.subscription,) if refused else ())
         if call.cumulative:
+            self._receipted_through = max(self._receipted_through, call.command_id)
             done: list[int] = []
             order = self._receipt_order
             while order:
@@ -373,6 +398,7 @@ class SessionsCore:
         window_plan = self.window.reconnect()
         self._receipt_order.clear()
         self._unreceipted = 0
+        receipted_through, self._receipted_through = self._receipted_through, -1
         waited_for = {c.command_id for c in self.calls.values() if c.command_id >= 0}
         resend: list[int] = []
         unblock: list[int] = []
@@ -392,8 +418,14 @@ class SessionsCore:
             unblock.append(token)
             if call.kind is CallKind.SEND and call.session_id is not None:
                 in_doubt.setdefault(call.session_id, []).append(call.message_id)
-        # Sends nobody waits for (confirm=False) follow the window: stamped ones are resent.
-        resend_frames = tuple(c for c in window_plan.resend if c.command_id not in waited_for)
+        # Sends nobody waits for (confirm=False) follow the window: stamped ones are resent,
+        # unless a receipt covered them (the broker had them: a copy is a duplicate where
+        # the new broker is another one, or has no duplicate detection).
+        resend_frames = tuple(
+            c
+            for c in window_plan.resend
+            if c.command_id not in waited_for and c.command_id > receipted_through
+        )
         outcomes, parts = self._sessions_fail_over(
             reattached=False,
             lost_work=False,

@@ -41,6 +41,8 @@ class FailoverReport:
     from_broker: str  # redacted address
     to_broker: str | None = None
     reattached: bool = False
+    # a priority failback: the client moved back to its preferred broker on purpose
+    failback: bool = False
     attempts: int = 0
     duration: float = 0.0  # seconds from detection to outcome
     sessions: tuple[SessionFailover, ...] = ()
@@ -75,6 +77,8 @@ class FailoverReport:
                 f"disconnected from {self.from_broker} ({self.reason})"
             )
         how = "reattached" if self.reattached else "reconnected"
+        if self.failback:
+            how = f"failback {how}"
         parts = [
             f"failover {how} {self.from_broker} -> {self.to_broker} "
             f"in {self.duration:.3f}s ({self.attempts} attempt(s))",

@@ -17,7 +17,17 @@ Broker order (Qpid failover methods):
   then reattach to the same server), then the next ones in list order, cycling;
 - singlebroker: only the broker the connection was on;
 - random: each pass over the list in a fresh random order;
-- nofailover: the first connection like roundrobin, and no reconnect at all.
+- nofailover: the first connection like roundrobin, and no reconnect at all;
+- priority: every reconnect starts with the first broker (the preferred one), then the
+  next ones in list order; while connected elsewhere, the driver probes the preferred
+  broker every failback_interval and ``failback_due`` says when to move back.
+
+A broker can redirect the client (AMQP ``amqp:connection:redirect``): the next attempt
+goes to the address it named, once, before the method's order (``redirect``).
+
+What an announced failover list does to the known brokers is the policy's
+failover_server_list (``learn_topology``): add (the URL's brokers, then the announced
+ones), replace (the broker connected to, then the announced ones) or ignore.
 
 The first connection (F12) goes to the first broker and, by default, nowhere
 else: failing over to a backup needs one successful connection first, unless
@@ -34,7 +44,7 @@ import attrs
 import tenacity
 
 from hafailover.errors import ConfigurationError, SecurityError
-from hafailover.url import BrokerAddress, FailoverMethod, FailoverPolicy
+from hafailover.url import BrokerAddress, FailoverMethod, FailoverPolicy, ServerListAction
 
 __all__ = [
     "Attempt",
@@ -72,21 +82,49 @@ class ReconnectCancelled(Exception):  # noqa: N818 - an outcome, not a failure o
 class BrokerRotation:
     """The known brokers and the order attempts walk them in.
 
-    Brokers come from the URL and, with use_topology, from what the broker
-    announces (F12). The latest announcement replaces the previously learned
-    brokers; the URL's brokers are always kept.
+    Brokers come from the URL and from what the broker announces (F12), as
+    failover_server_list says: with ``add`` the latest announcement replaces the
+    previously learned brokers and the URL's brokers are always kept; with ``replace``
+    the list becomes the broker the announcement came from and the announced ones.
     """
 
     def __init__(self, policy: FailoverPolicy, rng: random.Random) -> None:
         self._policy = policy
         self._rng = rng
         self._learned: tuple[BrokerAddress, ...] = ()
+        self._replaced: tuple[BrokerAddress, ...] | None = None  # the list, once replaced
         self._current = policy.brokers[0]
+        self._redirect: BrokerAddress | None = None
 
     @property
     def brokers(self) -> tuple[BrokerAddress, ...]:
+        if self._replaced is not None:
+            return self._replaced
         known = {b.endpoint for b in self._policy.brokers}
         return self._policy.brokers + tuple(b for b in self._learned if b.endpoint not in known)
+
+    @property
+    def preferred(self) -> BrokerAddress | None:
+        """With failover_method=priority, the broker to move back to; else None."""
+        if self._policy.failover_method is FailoverMethod.PRIORITY:
+            return self._policy.brokers[0]
+        return None
+
+    def failback_due(self, connected: BrokerAddress) -> bool:
+        """Is a connection to ``connected`` away from the preferred broker (so the driver
+        probes the preferred one and moves back once it answers)?"""
+        preferred = self.preferred
+        return preferred is not None and connected.endpoint != preferred.endpoint
+
+    def redirect(self, host: str, port: int | None) -> BrokerAddress:
+        """The broker redirected the client to ``host``:``port`` (the scheme's default port
+        when None): the next attempt goes there, once, with the current broker's scheme and
+        credentials."""
+        template = self._current
+        self._redirect = attrs.evolve(
+            template, host=host, port=template.default_port if port is None else port
+        )
+        return self._redirect
 
     @property
     def current(self) -> BrokerAddress:
@@ -102,19 +140,33 @@ class BrokerRotation:
         Announced brokers use the scheme and credentials of the current broker:
         an announcement says where the other nodes are, not how to log in.
         """
-        if not self._policy.use_topology:
+        action = self._policy.server_list_action
+        if action is ServerListAction.IGNORE:
             return False
         template = self._current
         learned = tuple(
             attrs.evolve(template, host=host, port=port) for host, port in dict.fromkeys(endpoints)
         )
+        if action is ServerListAction.REPLACE:
+            replaced = (template, *(b for b in learned if b.endpoint != template.endpoint))
+            if replaced == self._replaced:
+                return False
+            self._replaced = replaced
+            return True
         if learned == self._learned:
             return False
         self._learned = learned
         return True
 
     def order(self, *, initial: bool) -> Iterator[BrokerAddress]:
-        """An endless sequence of brokers, one per attempt."""
+        """An endless sequence of brokers, one per attempt; a redirect goes first, once."""
+        for broker in self._method_order(initial=initial):
+            redirect, self._redirect = self._redirect, None
+            if redirect is not None:
+                yield redirect
+            yield broker
+
+    def _method_order(self, *, initial: bool) -> Iterator[BrokerAddress]:
         brokers = self.brokers
         method = self._policy.failover_method
         if initial:
@@ -130,6 +182,8 @@ class BrokerRotation:
                 shuffled = list(self.brokers)
                 self._rng.shuffle(shuffled)
                 yield from shuffled
+        if method is FailoverMethod.PRIORITY:
+            yield from self._cycle(brokers, 0)
         start = next((i for i, b in enumerate(brokers) if b.endpoint == self._current.endpoint), 0)
         yield from self._cycle(brokers, start)
 

@@ -60,6 +60,7 @@ from hafailover.core.failover import (
     InvalidateBrowsers,
     LearnTopology,
     NotifyListener,
+    PreferredAnswered,
     ReattachSessions,
     RecreateSessions,
     Restored,
@@ -68,7 +69,7 @@ from hafailover.core.failover import (
     UnblockPendingCalls,
     WakeBlockedCalls,
 )
-from hafailover.core.inflight import FailoverPlan, SessionsCore
+from hafailover.core.inflight import CallKind, FailoverPlan, SessionsCore
 from hafailover.core.report import FailoverReport, SessionFailover
 from hafailover.core.schedule import (
     Attempt,
@@ -76,10 +77,11 @@ from hafailover.core.schedule import (
     ReconnectCancelled,
     ReconnectSchedule,
 )
+from hafailover.core.window import ConfirmationWindow
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import Calls, WatchedCondition, error_for
-from hafailover.driver.completions import Callback, Waiting
+from hafailover.driver.completions import Callback, SendCompletion, Waiting
 from hafailover.driver.events import (
     ConnectionEvent,
     ConnectionStatistics,
@@ -97,12 +99,13 @@ from hafailover.errors import (
     FailoverNotice,
     HaFailoverError,
     NotConnectedError,
+    RemoteError,
     UnblockedError,
 )
 from hafailover.message import Message
 from hafailover.protocols.base import Link, LinkFactory, Opened
 from hafailover.protocols.factory import make_link
-from hafailover.url import FailoverPolicy, parse_url
+from hafailover.url import BrokerAddress, FailoverPolicy, parse_url
 
 if TYPE_CHECKING:
     from hafailover.driver.browser import Browser
@@ -311,6 +314,8 @@ class Connection(Calls, LinkEventHandlers):
                 link.close()
         for session in sessions:
             session._join()
+            for consumer in list(session._consumers.values()):
+                consumer._release_dedup_file(closing_all=True)
         self._notifier.stop()
 
     # --- opening and failing over -----------------------------------------------------------
@@ -419,7 +424,10 @@ class Connection(Calls, LinkEventHandlers):
             if initial:
                 self._core.first_connection()
                 self._take_early_deliveries(link)
-                return self._apply(self._machine.handle(Connected(opened.broker, link=link.serial)))
+                after = self._apply(
+                    self._machine.handle(Connected(opened.broker, link=link.serial))
+                )
+                return after + self._failback_probe(link, opened.broker)
             self._degraded = (() if link.windowed else ("reattach",)) + (
                 ("duplicate detection",)
                 if self.policy.duplicate_detection and not opened.detects_duplicates
@@ -441,7 +449,96 @@ class Connection(Calls, LinkEventHandlers):
                 raise NotConnectedError(f"{opened.broker.redacted()} was lost during failover")
             if opened.resumed:
                 self._reattached += 1
-            return self._apply(machine.handle(Restored()))
+            return self._apply(machine.handle(Restored())) + self._failback_probe(
+                link, opened.broker
+            )
+
+    # --- priority failback ------------------------------------------------------------------
+
+    def _failback_probe(self, link: Link, broker: BrokerAddress) -> list[Deferred]:
+        """Under the lock, once ``link`` serves calls: with failover_method=priority and a
+        broker other than the preferred one, the thread that probes the preferred one."""
+        preferred = self._schedule.rotation.preferred
+        if preferred is None or not self._schedule.rotation.failback_due(broker):
+            return []
+        thread = threading.Thread(
+            target=self._probe_preferred,
+            args=(link.serial, preferred),
+            name="hafailover-failback",
+            daemon=True,
+        )
+        return [thread.start]
+
+    def _probe_preferred(self, serial: int, preferred: BrokerAddress) -> None:
+        """Every failback_interval while link ``serial`` is the connection's: does the
+        preferred broker answer? The machine decides whether to move back (a clean point
+        only); this thread ends once the link is replaced or the move has begun."""
+        while not self._cancel.wait(self.policy.failback_interval):
+            with self._cond:
+                link = self._link
+                if self._closing or link is None or link.serial != serial:
+                    return
+                from_broker = link.broker.redacted()
+            if not self._preferred_answers(preferred):
+                continue
+            with self._cond:
+                blocker = self._core.failback_blocker() or ""
+                effects = self._machine.handle(PreferredAnswered(serial, blocker))
+                if not effects and self._core.unreceipted_commands():
+                    self._sync_window(link)  # so that the next probe finds a clean point
+                if effects:
+                    self._lost_at = time.monotonic()
+                    self._lost_reason = f"moving back to the preferred broker {preferred}"
+                    self._lost_from = from_broker
+                    log.info("%s answers; moving back to it", preferred.redacted())
+                elif blocker:
+                    log.debug("%s answers; not moving back yet: %s", preferred, blocker)
+                after = self._apply(effects)
+            run_deferred(after)
+            if effects or not self._machine.is_up:
+                return
+
+    def _sync_window(self, link: Link) -> None:
+        """Under the lock: ask the broker for a receipt covering every window command
+        (a sync frame), as a waiting call would."""
+        if not link.windowed:
+            return
+        token = self._call(CallKind.SYNC, SendCompletion(self, None), None)
+        try:
+            link.sync(token)
+        except HaFailoverError as exc:
+            self._abandon(token, exc)
+            self._io_failed(link, exc)
+            return
+        self._written(token, link, self._core.window.next_id - 1, asked=True)
+
+    def _preferred_answers(self, preferred: BrokerAddress) -> bool:
+        """Open a connection to the preferred broker and close it again: it answers when
+        it logs the client in (a passive backup or a dead node does not)."""
+        probe = self._link_factory(
+            _ProbeEvents(), self.policy, ConfirmationWindow(self.policy.confirmation_window_size)
+        )
+        try:
+            probe.open(preferred, resume=None)
+        except Exception as exc:  # noqa: BLE001 - any failure means it does not answer yet
+            log.debug("probe of %s: %s", preferred.redacted(), exc)
+            with contextlib.suppress(Exception):
+                probe.abort()
+            return False
+        with contextlib.suppress(Exception):
+            probe.close()
+        return True
+
+    def link_redirected(self, link: Link, host: str, port: int | None) -> None:
+        """The broker of ``link`` (the connection's, or one an attempt is opening) sent the
+        client elsewhere (AMQP ``amqp:connection:redirect``): the next attempt goes there.
+        The link's loss follows and fails over as any loss does."""
+        with self._cond:
+            if link is not self._link and link is not self._opening:
+                return
+            target = self._schedule.rotation.redirect(host, port)
+            source = link.broker.redacted()
+        log.warning("%s redirects the client to %s", source, target.redacted())
 
     def _run_reconnect(self) -> None:
         """The reconnect thread. However the schedule ends short of success (attempts used
@@ -480,7 +577,7 @@ class Connection(Calls, LinkEventHandlers):
             elif isinstance(effect, CloseTransport):
                 link = self._link
                 if link is not None and not self._closing:
-                    after.append(link.abort)
+                    after.append(link.close if effect.gracefully else link.abort)
             elif isinstance(effect, LearnTopology):
                 if self._schedule.rotation.learn_topology(effect.endpoints):
                     log.info(
@@ -576,6 +673,7 @@ class Connection(Calls, LinkEventHandlers):
             from_broker=self._lost_from,
             to_broker=machine.broker.redacted() if machine.broker is not None else None,
             reattached=effect.reattached,
+            failback=effect.failback,
             attempts=self._attempts,
             duration=time.monotonic() - self._lost_at if self._lost_at else 0.0,
             sessions=self._session_parts,
@@ -611,3 +709,32 @@ class Connection(Calls, LinkEventHandlers):
                 call_listener(exception_listener, error)
 
         self._notifier.post(tell)
+
+
+class _ProbeEvents:
+    """The events of a failback probe's link: it subscribes to nothing and sends nothing,
+    so only its output (the handshake) matters, written at once (no lock is held)."""
+
+    def link_message(self, link: Link, subscription: str, tag: str, message: Message) -> None:
+        pass
+
+    def link_completed(self, link: Link, token: int, error: RemoteError | None) -> None:
+        pass
+
+    def link_confirmed(self, link: Link, upto: int) -> None:
+        pass
+
+    def link_error(self, link: Link, error: Any) -> None:
+        pass
+
+    def link_browse_end(self, link: Link, subscription: str) -> None:
+        pass
+
+    def link_lost(self, link: Link, reason: str) -> None:
+        pass
+
+    def link_redirected(self, link: Link, host: str, port: int | None) -> None:
+        pass
+
+    def link_output(self, link: Link, flush: Callable[[], None]) -> None:
+        flush()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from hafailover.ack_modes import AckAction
-from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at
+from hafailover.core.dedup import DuplicateWindow, Remembered, remembered_at, replay
 from hafailover.core.failover import Admission
 from hafailover.core.inflight import CallKind
 from hafailover.core.subscriptions import NamedSubscription, RedeliveryLimit
@@ -25,8 +25,10 @@ from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
 from hafailover.driver.completions import SendCompletion
+from hafailover.driver.dedup_file import DedupFile
 from hafailover.errors import (
     AcknowledgeFailedError,
+    ConfigurationError,
     ConnectionClosedError,
     HaFailoverError,
     IllegalStateError,
@@ -58,6 +60,7 @@ class Consumer:
         selector: str | None = None,
         *,
         dedup: int = 0,
+        dedup_file: DedupFile | None = None,
         named: NamedSubscription | None = None,
         max_redeliveries: int = -1,
     ) -> None:
@@ -80,8 +83,22 @@ class Consumer:
         self._closed = False
         self._on_link = 0  # serial of the link this consumer is subscribed on
         self._subscribed: SendCompletion | None = None  # the broker's answer to subscribing
-        # Consumer-side duplicate suppression (dedup.py): None when off.
-        self._dedup = DuplicateWindow(dedup) if dedup else None
+        # Consumer-side duplicate suppression (dedup.py): None when off; kept in
+        # ``dedup_file`` across restarts when one is given.
+        self._dedup_file = dedup_file
+        self._dedup: DuplicateWindow | None = None
+        if dedup:
+            kept: tuple[str, ...] = ()
+            if dedup_file is not None:
+                kept, skipped = replay(dedup_file.read(), dedup)
+                if skipped:
+                    log.warning(
+                        "%s: skipped %d damaged record(s) (a torn write); kept %d id(s)",
+                        dedup_file.path,
+                        skipped,
+                        len(kept),
+                    )
+            self._dedup = DuplicateWindow(dedup, journal=dedup_file, kept=kept)
         self._remembered_at = remembered_at(session.ack_mode)
         # Ids delivered and not yet acknowledged or committed: a copy of one is dropped too,
         # since the application holds the first (which the broker redelivers if its
@@ -361,7 +378,10 @@ class Consumer:
         started = tracing.started()
         deadline = None if timeout is None else time.monotonic() + timeout
         cond = connection._cond
+        pulls = self.prefetch == 0  # zero prefetch: credit only while this waits (core/pull.py)
+        drain_from: Link | None = None
         while True:
+            drain = False
             with cond:
                 if session._ack_blocking() is None:
                     message = self._next()
@@ -369,14 +389,44 @@ class Consumer:
                         break
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        return None
-                    cond.wait(remaining if remaining is not None else 1.0)
-                    continue
+                        if not pulls:
+                            return None
+                        drain, drain_from = True, connection._admitted_link()
+                    else:
+                        if pulls:
+                            self._pull()
+                        cond.wait(remaining if remaining is not None else 1.0)
+                        continue
+            if drain:
+                # Outside the lock: take the credit back; a message the broker sent with it
+                # arrives first, and this receive returns it.
+                message = self._drain(drain_from)
+                if message is None:
+                    return None
+                break
             # Outside the lock: it may wait for an acknowledge (F6), or raise its failure.
             if not session._confirm_last_ack(deadline):
                 return None
         self._hand_out(message, started)
         return message
+
+    def _pull(self) -> None:
+        """Under the lock: a pull consumer's receive waits; one credit on the current link
+        (again on a new one after a failover, whose recreation attached with none)."""
+        link = self.session.connection._admitted_link()
+        if link is None or self._closed or self._on_link != link.serial:
+            return  # failing over: the receive waits, and pulls on the new link
+        with contextlib.suppress(HaFailoverError):
+            link.pull(self.subscription)  # a lost link: the failover comes, then a new pull
+
+    def _drain(self, link: Link | None) -> Message | None:
+        """Without the lock: the pull's credit back from ``link``; the message it brought,
+        if one came meanwhile."""
+        if link is not None and self._on_link == link.serial:
+            with contextlib.suppress(HaFailoverError):
+                link.drain(self.subscription)
+        with self.session.connection._cond:
+            return self._next()
 
     def _receive_now(self) -> Message | None:
         """The next message if one can be handed out without waiting, else None; raises
@@ -443,6 +493,11 @@ class Consumer:
 
     def set_message_listener(self, listener: Callable[[Message], None] | None) -> None:
         """Deliver messages to ``listener`` on the session's thread instead of receive()."""
+        if listener is not None and self.prefetch == 0:
+            raise ConfigurationError(
+                "a message listener always waits for the next message, so prefetch=0 would "
+                "hold one ahead like prefetch=1: use receive(), or a consumer with prefetch=1"
+            )
         with self.session.connection._cond:
             self._listener = listener
             if listener is not None:
@@ -462,7 +517,23 @@ class Consumer:
             if link is not None:
                 with contextlib.suppress(HaFailoverError):
                     link.unsubscribe(self.subscription)
+            self._release_dedup_file()
             connection._cond.notify_all()
+
+    def _release_dedup_file(self, *, closing_all: bool = False) -> None:
+        """Under the lock: close the duplicate window's file (and let go of its lock), or
+        hand it to a consumer that shares the window (a shared subscription's), which
+        goes on writing it; ``closing_all``: the connection closes every consumer."""
+        dedup_file, self._dedup_file = self._dedup_file, None
+        if dedup_file is None:
+            return
+        if not closing_all:
+            for session in self.session.connection._sessions.values():
+                for other in session._consumers.values():
+                    if other is not self and other._dedup is self._dedup and not other._closed:
+                        other._dedup_file = dedup_file
+                        return
+        dedup_file.close()
 
     def __iter__(self) -> Iterator[Message]:
         """Messages as they come, forever (use receive() for a timeout)."""

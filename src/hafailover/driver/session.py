@@ -29,6 +29,7 @@ from hafailover.ack_modes import (
     check_link_reliability,
 )
 from hafailover.core.inflight import CallKind
+from hafailover.core.pull import prefetch_refusal
 from hafailover.core.subscriptions import (
     NamedSubscription,
     RedeliveryLimit,
@@ -44,6 +45,7 @@ from hafailover.driver.browser import Browser
 from hafailover.driver.calls import error_for
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer
+from hafailover.driver.dedup_file import DedupFile
 from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
 from hafailover.driver.waits import Steps, attempts, run_steps
@@ -140,14 +142,17 @@ class Session(Transactions):
         prefetch: int = DEFAULT_PREFETCH,
         reliability: LinkReliability | None = None,
         dedup: int | None = None,
+        dedup_file: str | None = None,
         max_redeliveries: int | None = None,
         _named: NamedSubscription | None = None,
     ) -> Consumer:
         """A consumer of a queue, topic or temporary queue. ``reliability`` (Qpid's link
         reliability) must agree with the session's ack mode (F14). ``dedup``: how many
         acknowledged message ids it remembers to drop duplicates (0 off; None: the URL's
-        ``consumer_dedup``). ``max_redeliveries``: failed deliveries after which a message
-        is rejected to the dead-letter address (-1 no limit; None: the URL's)."""
+        ``consumer_dedup``). ``dedup_file``: the file that keeps those ids across restarts
+        (None: the URL's ``consumer_dedup_file``), one per consumer. ``max_redeliveries``:
+        failed deliveries after which a message is rejected to the dead-letter address (-1
+        no limit; None: the URL's)."""
         self._check_open()
         if max_redeliveries is None:
             max_redeliveries = self.connection.policy.max_redeliveries
@@ -161,9 +166,18 @@ class Session(Transactions):
             "stomp"
         ):
             raise ConfigurationError("message selectors are supported on STOMP connections only")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ConfigurationError(f"prefetch must be a whole number >= 1, not {prefetch!r}")
+        refusal = prefetch_refusal(prefetch, self.connection.policy.protocol)
+        if refusal is not None:
+            raise ConfigurationError(refusal)
         target = parse_destination(destination)
+        if dedup_file is not None and not dedup:
+            raise ConfigurationError("dedup_file keeps the duplicate window, and dedup=0 has none")
+        path = dedup_file if dedup_file is not None else self.connection.policy.consumer_dedup_file
+        with self.connection._cond:
+            # A consumer of a shared subscription that shares a sibling's window shares
+            # its file too (``_share_duplicate_window``): it opens none of its own.
+            shares = _named is not None and self._shared_window(_named) is not None
+        journal = DedupFile(path) if path is not None and dedup and not shares else None
         connection = self.connection
         with connection._cond:
             if _named is not None:
@@ -176,6 +190,7 @@ class Session(Transactions):
                 prefetch,
                 selector,
                 dedup=dedup,
+                dedup_file=journal,
                 named=_named,
                 max_redeliveries=redelivery.max_redeliveries,
             )
@@ -278,6 +293,17 @@ class Session(Transactions):
             for consumer in session._consumers.values()
             if consumer.named is not None and not consumer._closed
         ]
+
+    def _shared_window(self, named: NamedSubscription) -> Consumer | None:
+        """Under the lock: an open consumer of the shared subscription ``named`` on this
+        connection that has a duplicate window, if any."""
+        if not named.shared:
+            return None
+        for session in self.connection._sessions.values():
+            for other in session._consumers.values():
+                if other.named == named and other._dedup is not None and not other._closed:
+                    return other
+        return None
 
     def _share_duplicate_window(self, consumer: Consumer) -> None:
         """Under the lock: consumers of one shared subscription on this connection share

@@ -116,6 +116,26 @@ def parse_failover_server_list(value: object) -> tuple[tuple[str, int], ...]:
     return tuple(endpoints)
 
 
+def parse_redirect(info: object) -> tuple[str, int | None] | None:
+    """Where an AMQP ``amqp:connection:redirect`` sends the client: the info map's
+    ``network-host`` (else ``hostname``) and ``port`` (None when absent: the scheme's
+    default). None when it names no usable host or port."""
+    if not isinstance(info, dict):
+        return None
+    fields = {str(key): item for key, item in info.items()}
+    host = fields.get("network-host") or fields.get("hostname")
+    if not isinstance(host, str) or not host.strip("[]"):
+        return None
+    port = fields.get("port")
+    if port is None:
+        return host.strip("[]"), None
+    if isinstance(port, bool) or not isinstance(port, int | str) or not str(port).isdigit():
+        return None
+    if not 1 <= int(port) <= 65535:
+        return None
+    return host.strip("[]"), int(port)
+
+
 def detects_duplicates(product: str) -> bool:
     """Whether a broker that names itself ``product`` has duplicate detection."""
     name = product.strip().lower()
@@ -136,6 +156,11 @@ class LinkEvents(Protocol):
     def link_browse_end(self, link: Link, subscription: str) -> None: ...
 
     def link_lost(self, link: Link, reason: str) -> None: ...
+
+    def link_redirected(self, link: Link, host: str, port: int | None) -> None:
+        """The broker sent the client to another broker (AMQP ``amqp:connection:redirect``;
+        ``port`` None: the scheme's); the link's loss follows."""
+        ...
 
     def link_output(self, link: Link, flush: Callable[[], None]) -> None:
         """The link queued bytes in its outbox (``protocols/outbox.py``); ``flush`` writes
@@ -190,6 +215,16 @@ class Link(Protocol):
     def remove_subscription(self, name: str, *, token: int) -> None:
         """Delete the durable subscription the broker knows as ``name`` (blocking on AMQP);
         the token completes once the broker has, or fails with its refusal."""
+        ...
+
+    def pull(self, subscription: str) -> None:
+        """A receive of a zero-prefetch consumer waits: ask for one message (a link that
+        cannot is never asked: ``core/pull.py`` refuses prefetch=0 on its protocol)."""
+        ...
+
+    def drain(self, subscription: str) -> None:
+        """That receive ended without one: take the request back; returns once the broker
+        has sent the message or given the request back (blocking)."""
         ...
 
     def unsubscribe(self, subscription: str) -> None: ...

@@ -107,6 +107,7 @@ from hafailover.protocols.base import (
     TlsOptions,
     detects_duplicates,
     parse_failover_server_list,
+    parse_redirect,
     parse_topology,
 )
 from hafailover.url import BrokerAddress
@@ -123,6 +124,7 @@ log = logging.getLogger(__name__)
 
 TOPOLOGY_PROPERTY: Final = symbol("hafailover-topology")
 FAILOVER_SERVER_LIST: Final = symbol("failover-server-list")
+REDIRECT: Final = "amqp:connection:redirect"
 _PRODUCT: Final = symbol("product")
 
 _TEMP_QUEUE_PREFIX: Final = "temp-queue://"
@@ -162,6 +164,11 @@ class AmqpEvents(Protocol):
 
     def on_browse_end(self, subscription: str) -> None: ...
 
+    def on_redirect(self, host: str, port: int | None) -> None:
+        """The broker closed the connection with ``amqp:connection:redirect`` (before the
+        loss or the failed open it ends in)."""
+        ...
+
 
 def _client_domain(tls: TlsOptions, broker: BrokerAddress) -> SSLDomain:
     """proton's TLS settings for one amqps connection."""
@@ -190,9 +197,10 @@ class Pending(Generic[T]):
     The engine completes it while it processes what the broker sent, and calls ``notify``
     (which whoever waits sets before the request can be answered). A waiter that gives up sets
     ``abandoned``; the engine then learns from ``succeed`` returning False that nobody will
-    take what it made, and undoes it. It succeeds while the engine processes the answer; it
-    fails as an event (``take_events``), so that a waiter wakes after the loss that failed it
-    has been reported.
+    take what it made, and undoes it. It succeeds while the engine processes the answer (a
+    drain's as an event, after the message its credit brought); it fails as an event
+    (``take_events``), so that a waiter wakes after the loss that failed it has been
+    reported.
     """
 
     __slots__ = ("_error", "_result", "abandoned", "interrupted", "notify", "what")
@@ -234,6 +242,11 @@ class Pending(Generic[T]):
             self.notify()
 
 
+def _succeed(pending: Pending[None]) -> None:
+    """Complete ``pending`` as an event (a drain's waiter, after the message it brought)."""
+    pending.succeed(None)
+
+
 class _State(enum.Enum):
     NEW = "new"
     OPENING = "opening"
@@ -243,7 +256,16 @@ class _State(enum.Enum):
 
 
 class _Subscription:
-    __slots__ = ("attaching", "browse", "credit", "destination", "durable", "link", "name")
+    __slots__ = (
+        "attaching",
+        "browse",
+        "credit",
+        "destination",
+        "drain_waiter",
+        "durable",
+        "link",
+        "name",
+    )
 
     def __init__(
         self,
@@ -260,7 +282,8 @@ class _Subscription:
         self.name = name
         self.link = link
         self.destination = destination
-        self.credit = credit
+        self.credit = credit  # kept outstanding; 0: a pull subscription (``pull``)
+        self.drain_waiter: Pending[None] | None = None  # a pull's credit being taken back
         self.durable = durable
         self.attaching: Pending[None] | None = attaching
 
@@ -590,14 +613,14 @@ class AmqpEngine:
     ) -> Pending[None]:
         """Attach a receiver; the Pending completes once the broker has, and messages then
         arrive as ``on_message``. ``settle_on_delivery``: the broker settles as it sends (at
-        most once); else each delivery waits for ``settle``. ``credit`` is kept outstanding.
-        ``browse``: copy the queue's waiting messages without consuming them, then
-        ``on_browse_end`` once the broker has drained the link. ``durable_name`` names a
-        durable subscription (the link's name, a durable source); ``shared_name`` a shared
-        one (the source's capability ``shared``, the link named ``<name>|<subscription id>``),
-        durable too when both are given."""
-        if isinstance(credit, bool) or not isinstance(credit, int) or credit < 1:
-            raise ConfigurationError(f"credit must be a whole number of at least 1, not {credit!r}")
+        most once); else each delivery waits for ``settle``. ``credit`` is kept outstanding
+        (0: none until ``pull``). ``browse``: copy the queue's waiting messages without
+        consuming them, then ``on_browse_end`` once the broker has drained the link.
+        ``durable_name`` names a durable subscription (the link's name, a durable source);
+        ``shared_name`` a shared one (the source's capability ``shared``, the link named
+        ``<name>|<subscription id>``), durable too when both are given."""
+        if isinstance(credit, bool) or not isinstance(credit, int) or credit < 0:
+            raise ConfigurationError(f"credit must be a whole number of at least 0, not {credit!r}")
         self._require_open()
         if subscription_id in self._subscriptions:
             raise IllegalStateError(f"subscription {subscription_id!r} exists already")
@@ -895,6 +918,10 @@ class AmqpEngine:
         self._dead = True
         if self.state in (_State.OPENING, _State.OPEN):
             self.state = _State.ENDING
+        if condition is not None and condition.name == REDIRECT and not self._closing:
+            target = parse_redirect(condition.info)
+            if target is not None:
+                self._emit(self.events.on_redirect, *target)
         opening = self._opening
         self._opening = None
         if opening is not None:
@@ -1204,15 +1231,60 @@ class AmqpEngine:
             delivery.settle()
         else:
             self._incoming[token] = (delivery, subscription)
-        if link.credit <= subscription.credit // 2:
+        if subscription.credit and link.credit <= subscription.credit // 2:
             if subscription.browse:
                 link.drain(subscription.credit - link.credit)
             else:
                 link.flow(subscription.credit - link.credit)
         self._emit(self.events.on_message, subscription.name, token, message)
+        if subscription.drain_waiter is not None and link.credit == 0:
+            self._drained(subscription)  # the drain's answer is this message: after it
+
+    def pull(self, subscription_id: str) -> None:
+        """A receive of a pull subscription (credit 0) waits: one credit, unless the link
+        holds one or a drain is under way (zero prefetch, ``core/pull.py``)."""
+        subscription = self._subscriptions.get(subscription_id)
+        if subscription is None or subscription.attaching is not None or self._dead:
+            return
+        link = subscription.link
+        assert isinstance(link, Receiver)
+        if link.credit == 0 and subscription.drain_waiter is None:
+            link.flow(1)
+
+    def drain(self, subscription_id: str) -> Pending[None]:
+        """The receive ended without a message: take the pull's credit back. Completes once
+        the broker has used it (the message is delivered first) or returned it."""
+        done: Pending[None] = Pending(f"{self._broker_text()}: drain {subscription_id!r}")
+        subscription = self._subscriptions.get(subscription_id)
+        if subscription is None or self._dead:
+            done.succeed(None)
+            return done
+        link = subscription.link
+        assert isinstance(link, Receiver)
+        if link.credit == 0 or subscription.attaching is not None:
+            done.succeed(None)
+            return done
+        if subscription.drain_waiter is None:
+            subscription.drain_waiter = done
+            self._pending.add(done)
+            link.drain(0)
+        return subscription.drain_waiter
+
+    def _drained(self, subscription: _Subscription) -> None:
+        """The pull's credit is used or returned. An event like the others, so that the
+        receive waiting for it wakes after the message the credit brought was routed."""
+        waiter, subscription.drain_waiter = subscription.drain_waiter, None
+        if waiter is not None:
+            self._pending.discard(waiter)
+            self._emit(_succeed, waiter)
 
     def _link_flow(self, link: Link) -> None:
         subscription = self._link_subscription.get(link)
+        if subscription is not None and subscription.drain_waiter is not None:
+            assert isinstance(link, Receiver)
+            if link.credit == 0 and not link.draining():
+                self._drained(subscription)
+            return
         if subscription is None or not subscription.browse or subscription.attaching is not None:
             return
         assert isinstance(link, Receiver)

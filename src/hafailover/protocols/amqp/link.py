@@ -94,7 +94,7 @@ class AmqpLink:
             lambda: self._transport.subscribe(
                 subscription,
                 destination,
-                credit=max(1, prefetch),
+                credit=prefetch,  # 0: credit only while a receive waits (pull)
                 settle_on_delivery=not acknowledged,
                 durable_name=name if named is not None and named.durable else None,
                 shared_name=name if named is not None and named.shared else None,
@@ -124,6 +124,12 @@ class AmqpLink:
             error = exc
         if token is not None:
             self.events.link_completed(self, token, error)
+
+    def pull(self, subscription: str) -> None:
+        self._transport.pull(subscription)
+
+    def drain(self, subscription: str) -> None:
+        self._transport.drain(subscription)
 
     def unsubscribe(self, subscription: str) -> None:
         self._transport.unsubscribe(subscription)
@@ -206,3 +212,6 @@ class _AmqpEvents:
 
     def on_browse_end(self, subscription: str) -> None:
         self._events.link_browse_end(self._link, subscription)
+
+    def on_redirect(self, host: str, port: int | None) -> None:
+        self._events.link_redirected(self._link, host, port)

@@ -210,6 +210,14 @@ class AmqpTransport:
             timeout,
         )
 
+    def pull(self, subscription_id: str) -> None:
+        """A pull subscription's receive waits: one credit (``AmqpEngine.pull``)."""
+        self._request(lambda: self._engine.pull(subscription_id))
+
+    def drain(self, subscription_id: str, *, timeout: float | None = None) -> None:
+        """Take a pull's credit back and wait until the broker has used or returned it."""
+        self._wait(lambda: self._engine.drain(subscription_id), timeout)
+
     def remove_subscription(
         self, subscription_id: str, name: str, *, timeout: float | None = None
     ) -> None:

@@ -16,6 +16,7 @@ from hafailover.core.subscriptions import NamedSubscription
 from hafailover.core.window import ConfirmationWindow, command_flags
 from hafailover.destination import Destination, DestinationKind
 from hafailover.errors import (
+    ConfigurationError,
     ProtocolError,
 )
 from hafailover.message import Message
@@ -225,6 +226,12 @@ class StompLink:
         assert isinstance(payload, tuple)
         command, headers, body = payload
         return self._write(str(command), headers, bytes(body), resendable=True)
+
+    def pull(self, subscription: str) -> None:
+        raise ConfigurationError(f"{subscription}: STOMP has no pull (see core/pull.py)")
+
+    def drain(self, subscription: str) -> None:
+        raise ConfigurationError(f"{subscription}: STOMP has no pull (see core/pull.py)")
 
     def close(self) -> None:
         self._transport.close()
