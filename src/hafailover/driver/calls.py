@@ -277,6 +277,11 @@ class Calls:
             return
         if not self._core.sync_needed():
             return
+        self._write_sync(link)
+
+    def _write_sync(self, link: Link) -> None:
+        """Under the lock: write one frame that asks the broker for a receipt covering every
+        window command so far (a sync), as a waiting call would."""
         token = self._call(CallKind.SYNC, SendCompletion(self, None), None)
         try:
             link.sync(token)

@@ -69,7 +69,7 @@ from hafailover.core.failover import (
     UnblockPendingCalls,
     WakeBlockedCalls,
 )
-from hafailover.core.inflight import CallKind, FailoverPlan, SessionsCore
+from hafailover.core.inflight import FailoverPlan, SessionsCore
 from hafailover.core.report import FailoverReport, SessionFailover
 from hafailover.core.schedule import (
     Attempt,
@@ -81,7 +81,7 @@ from hafailover.core.window import ConfirmationWindow
 from hafailover.destination import Destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import Calls, WatchedCondition, error_for
-from hafailover.driver.completions import Callback, SendCompletion, Waiting
+from hafailover.driver.completions import Callback, Waiting
 from hafailover.driver.events import (
     ConnectionEvent,
     ConnectionStatistics,
@@ -484,8 +484,8 @@ class Connection(Calls, LinkEventHandlers):
             with self._cond:
                 blocker = self._core.failback_blocker() or ""
                 effects = self._machine.handle(PreferredAnswered(serial, blocker))
-                if not effects and self._core.unreceipted_commands():
-                    self._sync_window(link)  # so that the next probe finds a clean point
+                if not effects and link.windowed and self._core.unreceipted_commands():
+                    self._write_sync(link)  # so that the next probe finds a clean point
                 if effects:
                     self._lost_at = time.monotonic()
                     self._lost_reason = f"moving back to the preferred broker {preferred}"
@@ -497,20 +497,6 @@ class Connection(Calls, LinkEventHandlers):
             run_deferred(after)
             if effects or not self._machine.is_up:
                 return
-
-    def _sync_window(self, link: Link) -> None:
-        """Under the lock: ask the broker for a receipt covering every window command
-        (a sync frame), as a waiting call would."""
-        if not link.windowed:
-            return
-        token = self._call(CallKind.SYNC, SendCompletion(self, None), None)
-        try:
-            link.sync(token)
-        except HaFailoverError as exc:
-            self._abandon(token, exc)
-            self._io_failed(link, exc)
-            return
-        self._written(token, link, self._core.window.next_id - 1, asked=True)
 
     def _preferred_answers(self, preferred: BrokerAddress) -> bool:
         """Open a connection to the preferred broker and close it again: it answers when
