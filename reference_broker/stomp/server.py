@@ -33,7 +33,8 @@ Rules this module enforces:
   that names the address and its limit, carries the SEND's receipt-id and
   ``hafailover-code: ADDRESS_FULL``, and keeps the connection (as Artemis does; STOMP 1.2
   would close it); policy BLOCK holds that SEND and every frame after it, and stops reading
-  the socket, until the address has room.
+  the socket, until the address has room. A SEND without a receipt header is held under
+  FAIL too: a refusal could name no frame, and a later receipt would confirm it unstored.
 - Flow control: a client-acknowledge subscription holds at most its prefetch (1000 unless
   it asks otherwise), and a slow reader pauses its consumers while the socket's buffer is
   full. An ``ack:auto`` subscription is settled as it is dispatched, so what one dispatch
@@ -353,7 +354,10 @@ class StompConnection(asyncio.Protocol):
             handler = self._HANDLERS[command]
             handler(self, frame, session)
         except AddressFullError as exc:
-            if exc.blocking:
+            # A SEND that asked for no receipt cannot be told it was refused: an ERROR without
+            # a receipt-id names no frame, and the next receipt (cumulative for a client with
+            # a confirmation window) would confirm it unstored. So it is held, as BLOCK holds.
+            if exc.blocking or frame.get("receipt") is None:
                 session.received -= 1  # not taken yet: handled again once there is room
                 self._hold(frame, exc.address)
                 return

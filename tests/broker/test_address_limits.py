@@ -173,6 +173,47 @@ def test_stomp_block_holds_the_send_and_every_frame_after_it_in_order(
         consumer.close()
 
 
+@pytest.fixture
+def failing(tmp_path: Path) -> Iterator[InProcessBroker]:
+    """FAIL at one message per address."""
+    users = UsersFile()
+    users.add("admin", "admin")
+    limit = AddressLimit(max_bytes=0, max_messages=1, policy=AddressFullPolicy.FAIL)
+    broker = InProcessBroker(
+        tmp_path, users, heartbeat=5.0, engine_config=EngineConfig(address_limit=limit)
+    )
+    yield broker
+    broker.close()
+
+
+def test_stomp_fail_holds_a_send_that_asked_for_no_receipt_rather_than_confirm_it_unstored(
+    failing: InProcessBroker,
+) -> None:
+    """A pipelined SEND (no receipt header) cannot be named by a refusal, and the receipt of
+    a later frame confirms every frame before it: refused, it would be confirmed and lost.
+    Under FAIL it is held instead, and stored once a consumer makes room."""
+    producer = WireClient(failing.stomp_port)
+    consumer = WireClient(failing.stomp_port)
+    try:
+        assert producer.connect().command == "CONNECTED"
+        producer.send("SEND", {"destination": "/queue/f", "receipt": "r1"}, b"1")
+        assert producer.receive(5).get("receipt-id") == "r1"
+        producer.send("SEND", {"destination": "/queue/f"}, b"2")  # full: held, not refused
+        producer.send("SEND", {"destination": "/queue/other", "receipt": "r3"}, b"3")
+        with pytest.raises(TimeoutError):
+            producer.receive(1.0)  # no ERROR, and no receipt that would confirm "2" unstored
+        assert consumer.connect().command == "CONNECTED"
+        consumer.send("SUBSCRIBE", {"id": "s", "destination": "/queue/f", "ack": "client"})
+        first = consumer.receive(5)
+        assert first.body == b"1"
+        consumer.send("ACK", {"id": first.get("ack") or ""})
+        assert producer.receive(5).get("receipt-id") == "r3"
+        assert consumer.receive(5).body == b"2"  # stored after all
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def test_amqp_block_refuses_a_transactional_transfer_rather_than_hold_it(
     blocking: InProcessBroker,
 ) -> None:
