@@ -750,6 +750,8 @@ class AsyncConsumer:
         self.sync = consumer
         self.session = session
         self._aio = session.connection
+        # Zero prefetch: messages a cancelled receive's thread took after its caller left.
+        self._unclaimed: collections.deque[Message] = collections.deque()
 
     @property
     def destination(self) -> Destination:
@@ -764,6 +766,25 @@ class AsyncConsumer:
         """Poison messages this consumer rejected to the dead-letter address."""
         return self.sync.rejected
 
+    async def _pull(self, timeout: float | None) -> Message | None:
+        """Zero prefetch: credit only while a receive waits, so one waits in a thread.
+        Cancelling the caller cannot stop that thread: a message it takes afterwards is
+        kept for the next receive, never dropped (in AUTO it is already acknowledged)."""
+        if self._unclaimed:
+            return self._unclaimed.popleft()
+        pulling = asyncio.ensure_future(self._aio._run(self.sync.receive, timeout))
+        try:
+            return await asyncio.shield(pulling)
+        except asyncio.CancelledError:
+            pulling.add_done_callback(self._keep_unclaimed)
+            raise
+
+    def _keep_unclaimed(self, pulled: asyncio.Future[Message | None]) -> None:
+        if not pulled.cancelled() and pulled.exception() is None:
+            message = pulled.result()
+            if message is not None:
+                self._unclaimed.append(message)
+
     def _take_now(self) -> Message:
         message = nonblocking.receive_now(self.sync)
         if message is None:
@@ -775,8 +796,7 @@ class AsyncConsumer:
         blocking the loop; None when none came. Waits through failover (F1); in AUTO,
         for the previous message's acknowledge when F6 needs it confirmed first."""
         if self.sync.prefetch == 0:
-            # Zero prefetch: credit only while a receive waits, so one waits in a thread.
-            return await self._aio._run(self.sync.receive, timeout)
+            return await self._pull(timeout)
         try:
             message = nonblocking.receive_now(self.sync)  # the common case: one is buffered
         except WouldBlock:

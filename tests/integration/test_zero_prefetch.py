@@ -121,3 +121,23 @@ def test_an_asyncio_pull_consumer_gets_what_is_sent_while_it_waits(pair: BrokerP
             return [] if message is None else [message.text]
 
     assert asyncio.run(run()) == ["late"]
+
+
+def test_an_asyncio_pull_whose_caller_gave_up_keeps_what_its_thread_took(
+    pair: BrokerPair,
+) -> None:
+    """A cancelled receive (asyncio.wait_for's timeout) cannot stop the thread that waits for
+    a zero-prefetch message: what that thread takes afterwards goes to the next receive."""
+
+    async def run() -> list[str]:
+        async with await aio.connect(url_for(pair, "amqp")) as connection:
+            session = await connection.create_session()
+            consumer = await session.create_consumer("queue://aio-gave-up", prefetch=0)
+            connection.start()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(consumer.receive(10), 0.3)  # its thread still waits
+            await session.create_producer("queue://aio-gave-up").send("taken", headers={"seq": 1})
+            message = await consumer.receive(10)
+            return [] if message is None else [message.text]
+
+    assert asyncio.run(run()) == ["taken"]
