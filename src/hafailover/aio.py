@@ -766,7 +766,7 @@ class AsyncConsumer:
         """Poison messages this consumer rejected to the dead-letter address."""
         return self.sync.rejected
 
-    async def _pull(self, timeout: float | None) -> Message | None:
+    async def _pull_one(self, timeout: float | None) -> Message | None:
         """Zero prefetch: credit only while a receive waits, so one waits in a thread.
         Cancelling the caller cannot stop that thread: a message it takes afterwards is
         kept for the next receive, never dropped (in AUTO it is already acknowledged)."""
@@ -796,7 +796,7 @@ class AsyncConsumer:
         blocking the loop; None when none came. Waits through failover (F1); in AUTO,
         for the previous message's acknowledge when F6 needs it confirmed first."""
         if self.sync.prefetch == 0:
-            return await self._pull(timeout)
+            return await self._pull_one(timeout)
         try:
             message = nonblocking.receive_now(self.sync)  # the common case: one is buffered
         except WouldBlock:

@@ -166,3 +166,19 @@ def test_a_failback_waits_for_a_receipt_that_covers_the_window() -> None:
     core.answered(sync)
     assert core.unreceipted_commands() == 0 and core.failback_blocker() is None
     assert core.failover(resumed=False).resend_frames == ()
+
+
+@pytest.mark.parametrize("mode", [AckMode.AUTO, AckMode.DUPS_OK])
+def test_no_move_while_an_automatic_acknowledge_is_still_to_come(mode: AckMode) -> None:
+    """A message handed out in AUTO or DUPS_OK (a listener running on it, or a receive about
+    to return it) is acknowledged once that ends: a move before then would cut it."""
+    core = SessionsCore(1024)
+    rules = core.open_session(1, mode)
+    first = rules.delivered("m1")
+    assert "acknowledge is still to come" in (core.failback_blocker() or "")
+    rules.after_delivery(first)
+    assert core.failback_blocker() is None
+    second = rules.delivered("m2")
+    assert core.failback_blocker() is not None
+    rules.listener_failed(second)  # given back to the broker: nothing left in hand
+    assert core.failback_blocker() is None

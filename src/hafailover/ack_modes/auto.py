@@ -51,13 +51,25 @@ class AutoAckRules(AckRules):
     def __init__(self, session_id: int) -> None:
         super().__init__(session_id)
         self._last_tag: str | None = None  # the delivery handed out last
+        # The delivery handed out whose automatic acknowledge has not been decided yet
+        # (a listener still running on it, or a receive about to return it).
+        self._in_hand: str | None = None
         # Redeliveries to drop, by (subscription, sender's id), oldest first. Kept when one
         # comes (the acknowledge that drops it may be lost to a later reconnect too).
         self._expected: dict[tuple[str, str], None] = {}
 
     def delivered(self, tag: str) -> Delivery:
-        self._last_tag = tag
+        self._last_tag = self._in_hand = tag
         return super().delivered(tag)
+
+    def unfinished(self) -> str | None:
+        if self._in_hand is not None:
+            return f"session {self.session_id} has a message whose acknowledge is still to come"
+        return None
+
+    def _decided(self, delivery: Delivery) -> None:
+        if delivery.tag == self._in_hand:
+            self._in_hand = None
 
     @staticmethod
     def pipelines(*, sender_id: bool, block_on_acknowledge: bool) -> bool:
@@ -122,6 +134,7 @@ class AutoAckRules(AckRules):
         return message_id is not None and (subscription, message_id) in self._expected
 
     def after_delivery(self, delivery: Delivery) -> AckDecision:
+        self._decided(delivery)
         if self.is_stale(delivery):
             return self._stale()
         return AckDecision(AckAction.SEND, (delivery.tag,))
@@ -130,6 +143,7 @@ class AutoAckRules(AckRules):
         # Not acknowledged, given back: the broker delivers it again (with its delivery
         # count raised), as JMS has it for a listener that throws. A delivery of a session
         # a reconnect replaced needs nothing: the broker delivers it again anyway.
+        self._decided(delivery)
         if self.is_stale(delivery):
             return AckDecision(AckAction.NOTHING)
         return AckDecision(AckAction.REDELIVER, (delivery.tag,))
