@@ -90,6 +90,7 @@ class FakeBroker:
         self.answers: collections.deque[str] = collections.deque()
         self.refuse_until = 0.0
         self.refused = 0  # attempts refused so far
+        self.topology: tuple[tuple[str, int], ...] = ()  # the failover list each open announces
         self.violations: list[str] = []
         self.dead_letters: list[Message] = []  # what consumers rejected (poison messages)
         self._session_ids = itertools.count(1)
@@ -179,7 +180,7 @@ class FakeBroker:
                 session_id=link.session.session_id if self.windowed else None,
                 resumed=resumed,
                 last_received=last,
-                topology=(),
+                topology=self.topology,
                 detects_duplicates=self.duplicate_detection,
             )
 

@@ -413,9 +413,11 @@ class Connection(Calls, LinkEventHandlers):
                 # plan is made (making one changes the sessions core).
                 raise NotConnectedError(f"{opened.broker.redacted()} was lost while connecting")
             self._link = link
+            # First the broker now current: an announced list is read relative to it
+            # (failover_server_list=replace keeps it first).
+            self._schedule.rotation.connected_to(opened.broker)
             if opened.topology and self.policy.use_topology:
                 self._apply(self._machine.handle(TopologyAnnounced(opened.topology)))
-            self._schedule.rotation.connected_to(opened.broker)
             self._detects_duplicates = opened.detects_duplicates
             broker = opened.broker
             self._peer = tracing.Peer(broker.protocol, opened.product, broker.host, broker.port)
