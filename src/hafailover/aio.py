@@ -554,9 +554,16 @@ class AsyncProducer:
         self.session = session
         self._aio = session.connection
         # Sends that could not be written at once (failing over, the window full) wait in
-        # order, and a send made while any waits joins them.
+        # order, and a send made while any waits joins them, each with its own deadline for
+        # the connection to come back (call_failover_timeout from its own send call).
         self._backlog: collections.deque[
-            tuple[Message | bytes | str, SendOptions, bool, asyncio.Future[SendCompletion]]
+            tuple[
+                Message | bytes | str,
+                SendOptions,
+                bool,
+                asyncio.Future[SendCompletion],
+                float | None,
+            ]
         ] = collections.deque()
         self._writer: asyncio.Task[None] | None = None
 
@@ -619,7 +626,8 @@ class AsyncProducer:
         # It must wait (failing over, the window full): so must every send after it, to
         # keep this producer's order. One task writes them as soon as they can go.
         written: asyncio.Future[SendCompletion] = connection.loop.create_future()
-        self._backlog.append((message, options, receipt, written))
+        deadline = nonblocking.failover_deadline(connection.sync)
+        self._backlog.append((message, options, receipt, written, deadline))
         if self._writer is None:
             self._writer = connection._spawn(self._write_backlog())
         return written
@@ -627,10 +635,9 @@ class AsyncProducer:
     async def _write_backlog(self) -> None:
         connection = self._aio
         sync = self.sync
-        failover_deadline = nonblocking.failover_deadline(connection.sync)
         try:
             while self._backlog:
-                message, options, receipt, written = self._backlog[0]
+                message, options, receipt, written, failover_deadline = self._backlog[0]
                 try:
                     if sync.session.transacted:
                         # Its transaction may have to be begun, which can wait for the
