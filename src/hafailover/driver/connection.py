@@ -486,7 +486,12 @@ class Connection(Calls, LinkEventHandlers):
             with self._cond:
                 blocker = self._core.failback_blocker() or ""
                 effects = self._machine.handle(PreferredAnswered(serial, blocker))
-                if not effects and link.windowed and self._core.unreceipted_commands():
+                if (
+                    not effects
+                    and link is self._link
+                    and link.windowed
+                    and self._core.unreceipted_commands()
+                ):
                     self._write_sync(link)  # so that the next probe finds a clean point
                 if effects:
                     self._lost_at = time.monotonic()
