@@ -77,3 +77,19 @@ def test_a_shared_window_kept_in_a_file_is_written_on_by_the_consumer_left(
         assert got is not None and got.text == "tick"
     with open(path, "rb") as kept:
         assert replay(kept.read(), 100)[0] == ("m-2",)
+
+
+def test_a_consumer_refused_by_the_subscription_rules_lets_go_of_its_dedup_file(
+    broker: FakeBroker, tmp_path: pytest.TempPathFactory
+) -> None:
+    """A second consumer of a durable subscription is refused (JMS: one at a time); the
+    duplicate-window file it opened first must not stay locked for the process's life."""
+    url = f"{FAST_URL}&consumer_dedup=100&client_id=app&consumer_dedup_file={tmp_path}/window"
+    with hafailover.connect(url, link_factory=link_factory(broker)) as connection:
+        session = connection.create_session(AckMode.AUTO)
+        first = session.create_durable_consumer("topic://prices", "audit", dedup=0)  # no file
+        with pytest.raises(hafailover.HaFailoverError, match="audit"):
+            session.create_durable_consumer("topic://prices", "audit")  # opens it, refused
+        first.close()
+        again = session.create_durable_consumer("topic://prices", "audit")
+        again.close()

@@ -177,26 +177,37 @@ class Session(Transactions):
             # A consumer of a shared subscription that shares a sibling's window shares
             # its file too (``_share_duplicate_window``): it opens none of its own.
             shares = _named is not None and self._shared_window(_named) is not None
+        # Opened with the lock let go (it reads the file); checked again under it below.
         journal = DedupFile(path) if path is not None and dedup and not shares else None
         connection = self.connection
-        with connection._cond:
-            if _named is not None:
-                check_can_open(_named, target, selector, self._named_open())
-            subscription = f"sub-{next(connection._subscription_ids)}"
-            consumer = Consumer(
-                self,
-                subscription,
-                target,
-                prefetch,
-                selector,
-                dedup=dedup,
-                dedup_file=journal,
-                named=_named,
-                max_redeliveries=redelivery.max_redeliveries,
-            )
-            if _named is not None:
-                self._share_duplicate_window(consumer)
-            self._consumers[subscription] = consumer
+        try:
+            with connection._cond:
+                if _named is not None:
+                    check_can_open(_named, target, selector, self._named_open())
+                    if journal is not None and self._shared_window(_named) is not None:
+                        # A sibling of the shared subscription got its window in meanwhile:
+                        # this consumer shares that one, file included.
+                        journal.close()
+                        journal = None
+                subscription = f"sub-{next(connection._subscription_ids)}"
+                consumer = Consumer(
+                    self,
+                    subscription,
+                    target,
+                    prefetch,
+                    selector,
+                    dedup=dedup,
+                    dedup_file=journal,
+                    named=_named,
+                    max_redeliveries=redelivery.max_redeliveries,
+                )
+                if _named is not None:
+                    self._share_duplicate_window(consumer)
+                self._consumers[subscription] = consumer
+        except BaseException:
+            if journal is not None:
+                journal.close()  # its lock would hold the file for the rest of the process
+            raise
         connection._subscribe(consumer)
         while True:
             completion = consumer._subscribed
