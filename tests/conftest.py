@@ -112,16 +112,26 @@ _SHARED_GROUPS = {
 _SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](?:module|class|package)["']""")
 
 
+_IMPORTED_TESTS = re.compile(r"^from (tests(?:\.\w+)+|\.\w+) import", re.MULTILINE)
+
+
 @functools.cache
 def _keeps_together(path: str) -> bool:
-    """Does the test module (or a conftest.py beside it or above) define a fixture that
-    outlives one test?"""
+    """Does the test module (or a conftest.py beside it or above, or a test module it
+    imports fixtures from) define a fixture that outlives one test?"""
     root = Path(__file__).resolve().parent.parent
-    files = [root / path]
-    folder = (root / path).parent
+    module = root / path
+    files = [module]
+    folder = module.parent
     while folder != root and root in folder.parents:
         files.append(folder / "conftest.py")
         folder = folder.parent
+    files.extend(
+        (
+            module.parent / name[1:] if name.startswith(".") else root.joinpath(*name.split("."))
+        ).with_suffix(".py")
+        for name in _IMPORTED_TESTS.findall(module.read_text())
+    )
     return any(f.is_file() and _SHARED_SCOPE.search(f.read_text()) for f in files)
 
 
