@@ -136,9 +136,11 @@ def test_batch_write_loses_an_executor_and_the_live(
     cluster: StandaloneCluster, own_pair: BrokerPair, tmp_path: Path
 ) -> None:
     work, total = tmp_path / "cluster-batch", 8_000
+    # 3 ms a row: a task takes about 6 s, so the other executor's task is still sending
+    # when the live dies, whatever the machine's load did to the two tasks' start.
     app = start_app(
         cluster, own_pair, work, "batch", "--rows", str(total), "--partitions", "4",
-        "--row-delay", "0.001", "--mark-after", "600",
+        "--row-delay", "0.003", "--mark-after", "600",
     )  # fmt: skip
     try:
         killed = kill_executor_then_live(app, own_pair, wait_for_mark(app, work / "marks"))

@@ -98,7 +98,21 @@ def test_stream_survives_sigkill_of_the_live(
             assert time.monotonic() < deadline, "no two batches committed in time"
             assert query.exception() is None, query.exception()
             time.sleep(0.05)
-        time.sleep(0.5)  # the next batch is planned and sending (a batch takes seconds)
+
+        # The next batch is under way (planning it can take a while on a loaded machine),
+        # then half a second into its sending (a batch takes seconds).
+        def third_batch_running() -> bool:
+            done = query.lastProgress  # posted once a batch has ended
+            return (
+                done is not None
+                and int(done["batchId"]) >= 1
+                and query.status.get("message") == "Processing new data"
+            )
+
+        while not third_batch_running():
+            assert time.monotonic() < deadline, f"no third batch began: {query.status}"
+            time.sleep(0.02)
+        time.sleep(0.5)
         own_pair.kill(own_pair.live)
         query.processAllAvailable()
     finally:
