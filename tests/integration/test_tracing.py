@@ -269,11 +269,17 @@ def test_receive_spans_and_the_failover_figures_of_dirty_sessions_and_doubtful_s
         assert attributes(uncertain)["hafailover.failover.in_doubt_ids"] == (
             doubtful_report.in_doubt
         )
-    doubtful_sends = {
-        attributes(s)["messaging.message.id"]: s
-        for s in spans.of(SpanKind.PRODUCER)
-        if attributes(s)["messaging.destination.name"] == "doubt"
-    }
+    # A send's span ends on the thread that completed it, just after result() returned.
+    doubtful_spans = spans.wait_for(
+        lambda: [
+            s
+            for s in spans.of(SpanKind.PRODUCER)
+            if attributes(s)["messaging.destination.name"] == "doubt"
+        ],
+        len(pending),
+        "the doubtful sends' spans",
+    )
+    doubtful_sends = {attributes(s)["messaging.message.id"]: s for s in doubtful_spans}
     for completion in pending:
         assert completion.message is not None
         span = doubtful_sends[completion.message.message_id]
