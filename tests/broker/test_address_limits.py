@@ -135,15 +135,19 @@ def test_recovery_counts_what_it_rebuilds() -> None:
 # --- the servers, in this process ----------------------------------------------------------
 
 
+def one_message_per_address(tmp_path: Path, policy: AddressFullPolicy) -> InProcessBroker:
+    users = UsersFile()
+    users.add("admin", "admin")
+    limit = AddressLimit(max_bytes=0, max_messages=1, policy=policy)
+    return InProcessBroker(
+        tmp_path, users, heartbeat=5.0, engine_config=EngineConfig(address_limit=limit)
+    )
+
+
 @pytest.fixture
 def blocking(tmp_path: Path) -> Iterator[InProcessBroker]:
     """BLOCK at one message per address."""
-    users = UsersFile()
-    users.add("admin", "admin")
-    limit = AddressLimit(max_bytes=0, max_messages=1, policy=AddressFullPolicy.BLOCK)
-    broker = InProcessBroker(
-        tmp_path, users, heartbeat=5.0, engine_config=EngineConfig(address_limit=limit)
-    )
+    broker = one_message_per_address(tmp_path, AddressFullPolicy.BLOCK)
     yield broker
     broker.close()
 
@@ -176,12 +180,7 @@ def test_stomp_block_holds_the_send_and_every_frame_after_it_in_order(
 @pytest.fixture
 def failing(tmp_path: Path) -> Iterator[InProcessBroker]:
     """FAIL at one message per address."""
-    users = UsersFile()
-    users.add("admin", "admin")
-    limit = AddressLimit(max_bytes=0, max_messages=1, policy=AddressFullPolicy.FAIL)
-    broker = InProcessBroker(
-        tmp_path, users, heartbeat=5.0, engine_config=EngineConfig(address_limit=limit)
-    )
+    broker = one_message_per_address(tmp_path, AddressFullPolicy.FAIL)
     yield broker
     broker.close()
 
