@@ -15,6 +15,9 @@ Each --master is measured in turn in the same run (default: local[2], then
 local-cluster[2,1,1024]: two executor processes of one core, as on a real cluster). The
 figure is the best of --repeats for each side, the sides interleaved. Target: sink >= 0.8 x
 baseline.
+Then, on each master, one more sink run during which the live is SIGKILLed (after 40% of the
+best sink run's time): the backup takes over and the tasks fail over and replay; its rate
+includes the takeover. The killed node comes back as the new backup before the next master.
 """
 
 from __future__ import annotations
@@ -111,6 +114,12 @@ def main() -> None:
         print(f"  hafailover sink (positional ids):    {best['positional']:,.0f} rows/s")
         print(f"  sink / raw: {best['sink'] / best['raw']:.2f} (target >= 0.8)")
         print(f"  content / positional ids: {best['sink'] / best['positional']:.2f}")
+        print(
+            f"  hafailover sink, live SIGKILLed mid-write: {best['failover']:,.0f} rows/s "
+            f"(/ sink: {best['failover'] / best['sink']:.2f}, / raw: "
+            f"{best['failover'] / best['raw']:.2f}; the live's failure detection, a heart-beat "
+            "timeout of 5 s, included)"
+        )
 
 
 def measure(master: str, pair: BrokerPair, args: argparse.Namespace) -> dict[str, float]:
@@ -174,9 +183,41 @@ def measure(master: str, pair: BrokerPair, args: argparse.Namespace) -> dict[str
                 rate = args.rows / (time.perf_counter() - started)
                 best[name] = max(best[name], rate)
                 print(f"  {master} {name:10} run {repeat + 1}: {rate:,.0f} rows/s", flush=True)
+        best["failover"] = _through_a_kill(
+            pair, args.rows / best["sink"] * 0.4, args.rows, tag, df, sink
+        )
+        print(f"  {master} sink, live killed: {best['failover']:,.0f} rows/s", flush=True)
         return best
     finally:
         spark.stop()
+
+
+def _through_a_kill(
+    pair: BrokerPair, delay: float, rows: int, tag: str, df: Any, sink: Any
+) -> float:
+    """One sink run with the live SIGKILLed ``delay`` seconds in; its rows per second. The
+    killed node is restarted as the backup and synchronized before this returns."""
+    victim = pair.live
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        pair.kill(victim)
+        killed_at.append(time.perf_counter())
+
+    killer = threading.Timer(delay, kill)
+    started = time.perf_counter()
+    killer.start()
+    sink(df, f"bench-{tag}-failover")
+    ended = time.perf_counter()
+    killer.join()
+    if killed_at[0] > ended:
+        raise SystemExit(
+            f"the sink wrote {rows:,} rows in {ended - started:.2f}s, before the kill at "
+            f"{delay:.2f}s: this run did not go through a failover"
+        )
+    pair.restart(victim)
+    pair.wait_synchronized(60)
+    return rows / (ended - started)
 
 
 if __name__ == "__main__":
