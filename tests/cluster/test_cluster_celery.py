@@ -49,9 +49,17 @@ def test_every_task_runs_once_when_the_workers_node_is_killed(
         HAFAILOVER_CELERY_TASK_SECONDS="0.15",
         HAFAILOVER_CELERY_QUEUE_TYPE="quorum",
     )
+    try:
+        _run(cluster, env, tmp_path / "worker.log", runs, protocol)
+    finally:
+        cluster.ctl(2, "delete_queue", name)  # the cluster keeps queues across runs
+
+
+def _run(
+    cluster: RabbitMQCluster, env: dict[str, str], log: Path, runs: Path, protocol: str
+) -> None:
     send_tasks(env, TASKS)
-    assert cluster.queue_types().get(name) == "quorum"  # used, not declared again as classic
-    log = tmp_path / "worker.log"
+    assert cluster.queue_types().get(env["HAFAILOVER_CELERY_QUEUE"]) == "quorum"
 
     def kill_node_1() -> None:
         started = sum(runs_of(runs).values())
@@ -66,4 +74,3 @@ def test_every_task_runs_once_when_the_workers_node_is_killed(
     assert sorted(counted) == list(range(TASKS))
     assert twice == [], f"run more than once: {twice}\n{log.read_text()[-3000:]}"
     assert "failover reconnected" in log.read_text()
-    cluster.ctl(2, "delete_queue", name)  # the cluster does not gather queues across runs

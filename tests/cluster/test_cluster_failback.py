@@ -122,6 +122,21 @@ def test_a_subscriber_keeps_what_was_published_while_its_node_was_down_and_fails
         queue = f"hafailover-failback-{tag}"
         cluster.declare_quorum_queue(queue)
         destination, durable = f"/amq/queue/{queue}", False
+    try:
+        _run(cluster, protocol, tag, destination, durable)
+    finally:
+        # The cluster keeps queues and policies across runs: removed whatever happened,
+        # through node 2, which is never killed.
+        if protocol == "stomp":
+            cluster.ctl(2, "clear_policy", f"hafailover-mirror-{tag}")
+            cluster.ctl(2, "delete_queue", f"hafailover-durable-{tag}.board")
+        else:
+            cluster.ctl(2, "delete_queue", queue)
+
+
+def _run(
+    cluster: RabbitMQCluster, protocol: str, tag: str, destination: str, durable: bool
+) -> None:
     subscriber = Subscriber(
         _url(
             cluster,
@@ -170,8 +185,6 @@ def test_a_subscriber_keeps_what_was_published_while_its_node_was_down_and_fails
             wait_until(with_all, 30, "every confirmed message at the subscriber")
         subscriber.stop.set()
         subscriber.join(30)
-        if protocol == "stomp":
-            cluster.ctl(1, "clear_policy", f"hafailover-mirror-{tag}")
     assert publisher.error is None, publisher.error
     assert subscriber.error is None, subscriber.error
     connection = subscriber.connection
@@ -189,7 +202,3 @@ def test_a_subscriber_keeps_what_was_published_while_its_node_was_down_and_fails
     assert duplicates == {}
     assert [r.failback for r in reports][-1] is True, [r.summary() for r in reports]
     assert not any(r.failback for r in reports[:-1])
-    if protocol == "amqp":
-        cluster.ctl(1, "delete_queue", queue)
-    else:
-        cluster.ctl(1, "delete_queue", f"hafailover-durable-{tag}.board")
