@@ -87,16 +87,21 @@ def test_a_transient_message_reaches_a_queue_being_consumed(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("protocol", "pool"), [("stomp", "threads"), ("amqp", "threads"), ("stomp", "prefork")]
+)
 def test_every_task_runs_through_a_restart(
     rabbitmq: RabbitMQ,  # noqa: F811
     rabbitmq_control: RabbitMQControl,  # noqa: F811
     protocol: str,
+    pool: str,
     tmp_path: Path,
 ) -> None:
-    """A worker (threads pool, acks_late) on tasks a producer process sent; the node
-    restarts (every connection closed, the durable queue and its persistent messages
-    recovered) while it runs them. RabbitMQ detects no duplicates: the window drops the
-    copies the restart brings back of what ran or was running. Then remote control."""
+    """A worker (acks_late; threads pool on both protocols, prefork on one) on tasks a
+    producer process sent; the node restarts (every connection closed, the durable queue
+    and its persistent messages recovered) while it runs them. RabbitMQ detects no
+    duplicates: the window drops the copies the restart brings back of what ran or was
+    running. Then remote control."""
     env = celery_env(
         rabbit_url(rabbitmq, protocol, **RECONNECT, consumer_dedup=1000),
         f"celery-t-{uuid.uuid4().hex[:10]}",
@@ -112,9 +117,9 @@ def test_every_task_runs_through_a_restart(
         away = rabbitmq_control.restart()
         print(f"restart after {started} runs; the node was away {away:.1f}s")
 
-    counted = run_through(env, "threads", log, TASKS, restart, then=lambda: ping(env))
+    counted = run_through(env, pool, log, TASKS, restart, then=lambda: ping(env))
     twice = sorted(n for n, c in counted.items() if c > 1)
-    print(f"rabbitmq {protocol}/threads: sent {TASKS}, run {len(counted)}, twice {len(twice)}")
+    print(f"rabbitmq {protocol}/{pool}: sent {TASKS}, run {len(counted)}, twice {len(twice)}")
     assert sorted(counted) == list(range(TASKS))
     assert twice == [], f"run more than once: {twice}\n{log.read_text()[-3000:]}"
     assert "failover reconnected" in log.read_text()
