@@ -3,7 +3,9 @@
 Configured from the environment, since the worker and the producer are separate processes:
 ``HAFAILOVER_CELERY_BROKER`` (the broker_url), ``HAFAILOVER_CELERY_QUEUE`` and
 ``HAFAILOVER_CELERY_RUNS`` (a file each run of ``record`` appends one line to),
-``HAFAILOVER_CELERY_TASK_SECONDS`` (how long each task the producer sends takes).
+``HAFAILOVER_CELERY_TASK_SECONDS`` (how long each task the producer sends takes),
+``HAFAILOVER_CELERY_QUEUE_TYPE`` (Celery's ``task_default_queue_type``: ``quorum`` for a
+RabbitMQ quorum queue, declared beforehand).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ app = Celery("hafailover_tests", broker=os.environ.get("HAFAILOVER_CELERY_BROKER
 app.conf.update(
     task_acks_late=True,
     task_default_queue=QUEUE,
+    task_default_queue_type=os.environ.get("HAFAILOVER_CELERY_QUEUE_TYPE", "classic"),
     task_ignore_result=True,
     worker_prefetch_multiplier=4,
     worker_hijack_root_logger=False,

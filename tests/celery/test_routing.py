@@ -96,3 +96,15 @@ def test_window_off_delivers_everything() -> None:
     for _ in range(3):
         assert window.arrived(("q", "same"), object(), message) == "deliver"  # type: ignore[arg-type]
         assert window.finished(("q", "same")) == []
+
+
+def test_a_queue_declared_with_a_type_is_addressed_as_existing() -> None:
+    routes = Routes()
+    routes.declare_queue("plain", None)
+    routes.declare_queue("classic", {"x-queue-type": "classic", "x-max-priority": 5})
+    routes.declare_queue("tasks", {"x-queue-type": "quorum"})
+    assert routes.address("plain") == "queue://plain"
+    assert routes.address("classic") == "queue://classic"
+    assert routes.address("tasks") == "/amq/queue/tasks"  # RabbitMQ would declare /queue/ classic
+    routes.forget_queue("tasks")
+    assert routes.address("tasks") == "queue://tasks"

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,6 +58,66 @@ def worker(env: dict[str, str], pool: str, log: Path) -> Iterator[subprocess.Pop
         process.wait(10)
 
 
+def celery_env(broker_url: str, queue: str, runs: Path, **extra: str) -> dict[str, str]:
+    """The environment of the worker, producer and ``celery inspect`` processes."""
+    return {
+        **os.environ,
+        "HAFAILOVER_CELERY_BROKER": broker_url,
+        "HAFAILOVER_CELERY_QUEUE": queue,
+        "HAFAILOVER_CELERY_RUNS": str(runs),
+        "PYTHONPATH": str(ROOT),
+        **extra,
+    }
+
+
+def send_tasks(env: dict[str, str], count: int) -> None:
+    """A producer process sends ``count`` tasks (numbered from 0) and exits."""
+    subprocess.run(
+        [sys.executable, "-m", "tests.celery.celery_app", str(count)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=60,
+    )
+
+
+def ping(env: dict[str, str]) -> None:
+    """``celery inspect ping`` gets the worker's pong: a broadcast out, a reply back."""
+    done = subprocess.run(
+        [*CELERY, "inspect", "ping", "--timeout", "5"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "pong" in done.stdout, done.stdout + done.stderr
+
+
+def run_through(
+    env: dict[str, str],
+    pool: str,
+    log: Path,
+    tasks: int,
+    disrupt: Callable[[], None],
+    *,
+    then: Callable[[], None] | None = None,
+) -> collections.Counter[int]:
+    """Run a worker on the ``tasks`` tasks sent already; ``disrupt`` the broker once a
+    tenth of them ran (and asserts that some are left for it to catch); wait until every
+    task ran, then ``then`` (with the worker still up). Returns the runs per task."""
+    runs = Path(env["HAFAILOVER_CELERY_RUNS"])
+    with worker(env, pool, log):
+        wait_until(lambda: sum(runs_of(runs).values()) >= tasks // 10, 30, "the first runs")
+        disrupt()
+        wait_until(lambda: len(runs_of(runs)) >= tasks, 60, f"all {tasks} tasks run")
+        time.sleep(1.0)  # a second run, if any, has time to show
+        counted = runs_of(runs)
+        if then is not None:
+            then()
+    return counted
+
+
 def kill_live(pair: BrokerPair) -> None:
     """SIGKILL the live; start it again as the backup of the node that took over."""
     killed = pair.live
@@ -72,24 +132,16 @@ def test_every_task_runs_once_through_two_kills(
     pair: BrokerPair, protocol: str, pool: str, tmp_path: Path
 ) -> None:
     runs = tmp_path / "runs"
-    env = {
-        **os.environ,
-        "HAFAILOVER_CELERY_BROKER": kombu_url(pair, protocol, **OPTIONS),
-        "HAFAILOVER_CELERY_QUEUE": f"tasks-{protocol}-{pool}",
-        "HAFAILOVER_CELERY_RUNS": str(runs),
-        "PYTHONPATH": str(ROOT),
-        "HAFAILOVER_CELERY_TASK_SECONDS": "0.15",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "tests.celery.celery_app", str(TASKS)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        timeout=60,
+    env = celery_env(
+        kombu_url(pair, protocol, **OPTIONS),
+        f"tasks-{protocol}-{pool}",
+        runs,
+        HAFAILOVER_CELERY_TASK_SECONDS="0.15",
     )
+    send_tasks(env, TASKS)
     log = tmp_path / "worker.log"
-    with worker(env, pool, log):
-        wait_until(lambda: sum(runs_of(runs).values()) >= TASKS // 10, 30, "the first runs")
+
+    def two_kills() -> None:
         # Two kills in a row: the second as soon as the pair is whole again.
         for _ in range(2):
             started = sum(runs_of(runs).values())
@@ -100,20 +152,11 @@ def test_every_task_runs_once_through_two_kills(
                 f"kill after {started} runs; the pair was whole again in "
                 f"{time.monotonic() - began:.1f}s"
             )
-        wait_until(lambda: len(runs_of(runs)) >= TASKS, 30, f"all {TASKS} tasks run")
-        time.sleep(1.0)  # a second run, if any, has time to show
-        counted = runs_of(runs)
-        if pool == "threads":
-            # Remote control through the backup: broadcast (fanout) and reply (direct).
-            ping = subprocess.run(
-                [*CELERY, "inspect", "ping", "--timeout", "5"],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert "pong" in ping.stdout, ping.stdout + ping.stderr
+
+    # Remote control through the backup: broadcast (fanout) and reply (direct).
+    counted = run_through(
+        env, pool, log, TASKS, two_kills, then=(lambda: ping(env)) if pool == "threads" else None
+    )
     twice = sorted(n for n, c in counted.items() if c > 1)
     print(f"{protocol}/{pool}: sent {TASKS}, run {len(counted)}, run twice {len(twice)}")
     assert sorted(counted) == list(range(TASKS))

@@ -28,6 +28,10 @@ from dataclasses import dataclass
 
 __all__ = ["EXCHANGE_TYPES", "Binding", "Routes", "topic_matches"]
 
+# The queue argument that makes a queue one the broker's STOMP and AMQP 1.0 plugins cannot
+# declare (RabbitMQ: quorum, stream).
+QUEUE_TYPE_ARGUMENT = "x-queue-type"
+
 EXCHANGE_TYPES = frozenset({"direct", "fanout", "topic"})
 
 
@@ -61,6 +65,7 @@ class Routes:
         self._lock = threading.Lock()
         self._exchanges: dict[str, tuple[str, bool]] = {}
         self._bindings: dict[str, set[Binding]] = {}  # queue -> its bindings
+        self._typed: set[str] = set()  # queues declared with an x-queue-type
 
     def declare_exchange(self, name: str, kind: str, *, durable: bool) -> None:
         if kind not in EXCHANGE_TYPES:
@@ -92,6 +97,20 @@ class Routes:
     def forget_queue(self, queue: str) -> None:
         with self._lock:
             self._bindings.pop(queue, None)
+            self._typed.discard(queue)
+
+    def declare_queue(self, queue: str, arguments: dict[str, object] | None) -> None:
+        """Note a queue's declaration: one with an ``x-queue-type`` is used as it exists."""
+        if arguments and arguments.get(QUEUE_TYPE_ARGUMENT) not in (None, "classic"):
+            with self._lock:
+                self._typed.add(queue)
+
+    def address(self, queue: str) -> str:
+        """The hafailover destination of a queue: ``/amq/queue/NAME`` (used as it is, never
+        declared) for one declared with a queue type, else ``queue://NAME``."""
+        with self._lock:
+            typed = queue in self._typed
+        return f"/amq/queue/{queue}" if typed else f"queue://{queue}"
 
     def broadcasts(self, exchange: str) -> bool:
         """Whether a publish to ``exchange`` goes to its topic rather than to queues. An

@@ -55,6 +55,7 @@ from hafailover import (
     DisconnectedError,
     HaFailoverError,
     NotConnectedError,
+    Protocol,
     ProtocolError,
     StaleAcknowledgeError,
     UnblockedError,
@@ -275,16 +276,27 @@ class Channel(base.StdChannel):
                 f"kombu headers and properties must be JSON-serializable to travel over "
                 f"STOMP and AMQP 1.0: {exc}"
             ) from exc
-        if ROUTES.broadcasts(exchange):
+        broadcast = ROUTES.broadcasts(exchange)
+        if broadcast:
             destinations = [f"topic://{exchange}"]
         else:
-            destinations = [f"queue://{name}" for name in ROUTES.queues_for(exchange, routing_key)]
+            queues = ROUTES.queues_for(exchange, routing_key)
+            destinations = [ROUTES.address(name) for name in queues]
         priority = properties.get("priority")
         expiration = properties.get("expiration")
+        # A transient message to a queue goes persistent over STOMP: RabbitMQ's STOMP plugin
+        # declares the queue a SEND names from its "persistent" header, and "false" declares
+        # it exclusive to the sender's connection, which a queue that exists already (a
+        # consumer's SUBSCRIBE declared it durable) refuses with RESOURCE_LOCKED: Celery's
+        # remote-control replies and rpc results are transient. kombu still reads the
+        # message's own delivery_mode from the envelope.
+        persistent = properties.get("delivery_mode", 2) == 2 or (
+            not broadcast and self.connection.protocol is Protocol.STOMP
+        )
         outgoing = hafailover.Message(
             body=message["body"],
             properties={ENVELOPE: encoded},
-            persistent=properties.get("delivery_mode", 2) == 2,
+            persistent=persistent,
             priority=4 if priority is None else max(0, min(9, int(priority))),
             time_to_live=None if expiration is None else max(float(expiration) / 1000.0, 0.001),
             correlation_id=_text(properties.get("correlation_id")),
@@ -328,8 +340,11 @@ class Channel(base.StdChannel):
         arguments: dict[str, Any] | None = None,
     ) -> Any:
         # STOMP and AMQP 1.0 brokers make a queue when it is first used, and neither
-        # protocol tells its length: the counts are unknown, reported as 0.
-        return queue_declare_ok_t(queue or f"amq.gen-{uuid.uuid4().hex}", 0, 0)
+        # protocol tells its length: the counts are unknown, reported as 0. A queue of a
+        # type (quorum) must exist already: it is then used as it is.
+        name = queue or f"amq.gen-{uuid.uuid4().hex}"
+        ROUTES.declare_queue(name, arguments)
+        return queue_declare_ok_t(name, 0, 0)
 
     def queue_bind(
         self,
@@ -366,7 +381,7 @@ class Channel(base.StdChannel):
         count = 0
         session = self.connection.ha.create_session(AckMode.DUPS_OK)
         try:
-            consumer = session.create_consumer(f"queue://{queue}", prefetch=500, dedup=0)
+            consumer = session.create_consumer(ROUTES.address(queue), prefetch=500, dedup=0)
             while consumer.receive(PURGE_IDLE) is not None:
                 count += 1
         finally:
@@ -440,7 +455,7 @@ class Channel(base.StdChannel):
             raise ConfigurationError(f"consumer tag {tag!r} is in use on this channel")
         queues, broadcast = ROUTES.subscriptions(queue)
         subscription = _Subscription(tag, queue, no_ack, callback, broadcast)
-        destinations = [f"queue://{name}" for name in queues]
+        destinations = [ROUTES.address(name) for name in queues]
         destinations += sorted({f"topic://{b.exchange}" for b in broadcast})
         try:
             for destination in destinations:
@@ -486,7 +501,7 @@ class Channel(base.StdChannel):
         consumer = self._get_consumers.get(queue)
         wait = LATER_GET_WAIT
         if consumer is None:
-            consumer = self._get_session.create_consumer(f"queue://{queue}", prefetch=1, dedup=0)
+            consumer = self._get_session.create_consumer(ROUTES.address(queue), prefetch=1, dedup=0)
             self._get_consumers[queue] = consumer
             wait = FIRST_GET_WAIT
         while True:
@@ -670,7 +685,7 @@ class Channel(base.StdChannel):
             correlation_id=original.correlation_id,
             message_id=properties["message_id"],
         )
-        self._producer.send(copy, destination=f"queue://{queue_name}")
+        self._producer.send(copy, destination=ROUTES.address(queue_name))
 
     def _subscription_of(self, raw: _Raw) -> _Subscription | None:
         if raw.consumer_tag is None:
@@ -736,7 +751,9 @@ class Connection:
         self.client = client
         self.confirm_publish = bool(options.get("confirm_publish", True))
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.window = DeliveryWindow(parse_url(url).consumer_dedup)
+        policy = parse_url(url)
+        self.protocol = policy.protocol
+        self.window = DeliveryWindow(policy.consumer_dedup)
         self.channels: dict[int, Channel] = {}
         self._channel_ids = itertools.count(1)
         self._failed: HaFailoverError | None = None
