@@ -44,7 +44,7 @@ from hafailover.driver import tracing
 from hafailover.driver.browser import Browser
 from hafailover.driver.calls import error_for
 from hafailover.driver.completions import SendCompletion
-from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer
+from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer, stable_id
 from hafailover.driver.dedup_file import DedupFile
 from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
@@ -459,6 +459,42 @@ class Session(Transactions):
                 self._forget_seen(decision.tags)
                 self._dedup_forget(decision.tags)
         return completion, decision.tags
+
+    def _release_message_steps(self, message: Message, consumer: Consumer) -> Steps[None]:
+        """Message.release(): wait out a failover (F1), then give the message back as the
+        rules decide. Nothing to wait for after: a NACK the connection loses is the
+        failover's, and the broker delivers the message again then anyway."""
+        delivery = message.delivery
+        if delivery is None:
+            raise IllegalStateError("this message was not received by a session")
+        self._check_open()
+        connection = self.connection
+        deadline = connection._failover_deadline()
+        yield from attempts(functools.partial(self._release_written, message, consumer, deadline))
+
+    def _release_written(
+        self, message: Message, consumer: Consumer, deadline: float | None
+    ) -> None:
+        """Write the release of ``message``; WouldBlock, having done nothing, while the
+        connection fails over (so the rules decide with its outcome applied)."""
+        connection = self.connection
+        with connection._cond:
+            connection._admit(deadline, block=False)
+            decision = self.rules.release(message.delivery)
+            if decision.action is AckAction.RAISE:
+                # F8, as an acknowledge: the session recovers, and says so. The failure is
+                # the application's verdict all the same: max_redeliveries counts it.
+                consumer._redelivery.failed(stable_id(message), message.delivery_count)
+                self._give_back(decision.redeliver)
+                self._recover_locked(decision)
+                assert decision.code is not None
+                raise error_for(
+                    decision.code,
+                    "the session failed over holding unacknowledged messages; they will be "
+                    "redelivered (the session recovered)",
+                )
+            if decision.action is AckAction.REDELIVER:
+                consumer._failed_delivery(message, decision.tags)
 
     def recover(self) -> None:
         """Redeliver every unacknowledged message; after a failover this cleans the session."""
