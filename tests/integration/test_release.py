@@ -104,3 +104,26 @@ def test_releases_count_toward_max_redeliveries_through_a_failover(
     dead = drain(url_for(pair, protocol), "queue://DLQ", idle=0.5)
     assert [m.body_bytes for m in dead] == [b"poison"]
     assert drain(url_for(pair, protocol), queue, idle=0.3) == []
+
+
+def test_a_release_after_its_consumer_closed_writes_nothing(
+    pair: BrokerPair, protocol: str
+) -> None:
+    """The subscription's end gave the message back already: a NACK naming a subscription
+    that is gone would be refused (on STOMP, with the connection)."""
+    queue = f"queue://closed-{uuid.uuid4().hex[:8]}"
+    with hafailover.connect(url_for(pair, protocol)) as connection:
+        session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+        session.create_producer(queue).send(Message(body="held", properties={"seq": 0}))
+        consumer = session.create_consumer(queue, prefetch=1)
+        connection.start()
+        message = consumer.receive(10)
+        assert message is not None
+        consumer.close()
+        message.release()
+        again = session.create_consumer(queue).receive(10)
+        assert again is not None
+        assert again.body_bytes == b"held"
+        again.acknowledge()
+        time.sleep(0.5)  # a refusal would have ended the connection by now
+        assert connection.statistics().failovers == 0
