@@ -26,7 +26,7 @@ from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.dedup_file import DedupFile
-from hafailover.driver.waits import run_steps
+from hafailover.driver.waits import Steps, run_steps
 from hafailover.errors import (
     AcknowledgeFailedError,
     ConfigurationError,
@@ -309,8 +309,11 @@ class Consumer:
 
     def _release(self, message: Message) -> None:
         """Message.release() of a message this consumer handed out."""
-        session = self.session
-        run_steps(session.connection, session._release_message_steps(message, self))
+        run_steps(self.session.connection, self._release_steps(message))
+
+    def _release_steps(self, message: Message) -> Steps[None]:
+        """The same as steps, for a caller that serves the waits its own way (asyncio)."""
+        return self.session._release_message_steps(message, self)
 
     def _failed_delivery(self, message: Message, tags: tuple[str, ...]) -> None:
         """Under the lock: ``message`` goes back as a failed delivery (a listener raised, or
