@@ -1,7 +1,7 @@
 """`python -m reference_broker`: run a node, run a pair, manage users.
 
     python -m reference_broker run --node-id live --role live ...   one node (see node.py)
-    python -m reference_broker pair up [--data-dir DIR] [--tls] [--json]   a live and a backup
+    python -m reference_broker pair up [--data-dir DIR] [--tls] [--json] ...   a live and a backup
         (no --password and no $HAFAILOVER_PASSWORD: a random one, written to DIR/password 0600;
         the printed URLs carry no credentials, docs/cli.md)
     python -m reference_broker user add --users FILE NAME          add or change a user
@@ -67,10 +67,25 @@ def _pair_up(argv: list[str]) -> int:
             help="passed to both nodes (docs/broker.md)",
         )
     parser.add_argument("--address-limit", action="append", default=[], help="passed to both nodes")
+    # The dead-letter settings, checked here as the node checks them: both nodes must agree,
+    # and a bad value is refused by name instead of leaving a pair that never starts.
+    dead_letter = ("max_delivery_attempts", "dead_letter_queue")
+    parser.add_argument(
+        "--max-delivery-attempts",
+        type=node.delivery_attempts,
+        help="failed deliveries after which a message goes to the dead-letter queue "
+        "(default: 10; 0: never); passed to both nodes",
+    )
+    parser.add_argument(
+        "--dead-letter-queue",
+        type=node.dead_letter_queue,
+        help="where messages go after their last failed delivery or when a client rejects "
+        "them (default: queue://DLQ); passed to both nodes",
+    )
     args = parser.parse_args(argv)
     node_options = [
         f"--{name.replace('_', '-')}={value}"
-        for name in limits
+        for name in (*limits, *dead_letter)
         if (value := getattr(args, name)) is not None
     ] + [f"--address-limit={value}" for value in args.address_limit]
     if args.tls_client_auth and not args.tls:

@@ -1340,14 +1340,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-delivery-attempts",
-        type=_count,
+        type=delivery_attempts,
         default=10,
         help="failed deliveries after which a message goes to the dead-letter queue "
         "(default: 10; 0: never)",
     )
     p.add_argument(
         "--dead-letter-queue",
-        type=_dead_letter_queue,
+        type=dead_letter_queue,
         default="queue://DLQ",
         help="where messages go after their last failed delivery or when a client rejects "
         "them (default: queue://DLQ)",
@@ -1430,7 +1430,13 @@ def _count(text: str, zero: str = "0") -> int:
     return value
 
 
-def _dead_letter_queue(text: str) -> str:
+def delivery_attempts(text: str) -> int:
+    """--max-delivery-attempts (also checked by ``pair up``, which passes it on)."""
+    return _count(text)
+
+
+def dead_letter_queue(text: str) -> str:
+    """--dead-letter-queue (also checked by ``pair up``, which passes it on)."""
     if not text.startswith("queue://") or len(text) == len("queue://") or "::" in text:
         raise argparse.ArgumentTypeError(f"must be a queue://NAME, not {text!r}")
     return text

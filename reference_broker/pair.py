@@ -12,6 +12,13 @@ the lease stay on the shared file system (``pair_dir``) either way.
 
 ``pair_up`` is the ``hafailover pair up`` command: the same, printing the addresses and the
 two failover URLs, until Ctrl-C or SIGTERM.
+
+Ports. While a node is not running (not started yet, with ``start_backup=False`` never, or
+killed) this process keeps its three ports bound, without listening, and lets go of them just
+before the node starts. Otherwise another pair (of this process or of another test worker)
+could be given them: its node would then be the one the first pair's live announces as its
+backup, and that a backup of the first pair follows. A port something else holds already
+(a squatter a test set up) is left to it.
 """
 
 from __future__ import annotations
@@ -44,16 +51,41 @@ class PairError(RuntimeError):
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Ports the kernel says are free now (they are released before use: a small race)."""
-    sockets = []
+    sockets = _bound_sockets(count, host)
     try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+
+
+def _bound_sockets(count: int, host: str) -> list[socket.socket]:
+    """``count`` sockets bound to distinct free ports of ``host``, not listening."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            sockets.append(s)
+            s.bind((host, 0))
+    except BaseException:
+        for s in sockets:
+            s.close()
+        raise
+    return sockets
+
+
+def _reserve(host: str, port: int) -> socket.socket | None:
+    """Bind ``port`` without listening, so that no other socket is given it (a bind to port 0
+    and a connect's own port both skip a port bound so); None if something holds it.
+    SO_REUSEADDR: a node just killed leaves its port in TIME_WAIT, which this may share."""
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
 
 
 @attrs.define
@@ -168,13 +200,18 @@ class BrokerPair:
             )
         if tls is not None and hosts:
             raise ValueError("per-node hosts and tls together are not supported")
+        # Sockets holding the ports of each node that is not running (the module's header).
+        self._reserved: dict[str, list[socket.socket]] = {}
+        held: list[socket.socket] = []
         if ports is not None:
             p = list(ports)
         elif netns:
             # Each node alone in its namespace: the usual ports are free there.
             p = [61613, 5672, 61617, 61613, 5672, 61617]
         else:
-            p = free_ports(6, host)
+            # Bound until each node starts, never released in between.
+            held = _bound_sockets(6, host)
+            p = [s.getsockname()[1] for s in held]
         self.nodes = (
             NodeProcess(
                 "live",
@@ -200,9 +237,16 @@ class BrokerPair:
             ),
         )
         if self.nodes[0].host == self.nodes[1].host and netns:
+            for s in held:
+                s.close()
             raise ValueError(f"hosts: both nodes on {self.nodes[0].host}")
         self.users_file = self.data_dir / "users"
         self.pair_dir = self.data_dir / "pair"
+        if held:
+            self._reserved = {"live": held[:3], "backup": held[3:]}
+        elif not netns:
+            for node in self.nodes:
+                self._reserve(node)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -231,6 +275,9 @@ class BrokerPair:
         # backup, and the preferred live joins it as backup (then fails back). On a new pair
         # the preferred live activates and the backup joins it.
         live, backup = self.nodes
+        for node in self.nodes:
+            if not node.running:
+                self._reserve(node)  # again, after a stop()
         self._spawn(live)
         if self.start_backup:
             self._spawn(backup)
@@ -245,8 +292,27 @@ class BrokerPair:
                     time.sleep(0.01)
             self.wait_synchronized(max(0.1, deadline - time.monotonic()))
 
+    def _reserve(self, node: NodeProcess) -> None:
+        """Hold ``node``'s ports while it does not run (the ones nothing else holds)."""
+        if node.netns is not None or node.name in self._reserved:
+            return
+        ports = (node.stomp_port, node.amqp_port, node.replication_port)
+        self._reserved[node.name] = [
+            s for port in ports if (s := _reserve(node.host, port)) is not None
+        ]
+
+    def _release(self, node: NodeProcess) -> None:
+        """Let go of ``node``'s ports: it is about to bind them."""
+        for s in self._reserved.pop(node.name, []):
+            s.close()
+
+    def reserved_ports(self, node: NodeProcess) -> list[int]:
+        """The ports this pair holds for ``node`` while it does not run."""
+        return [s.getsockname()[1] for s in self._reserved.get(node.name, [])]
+
     def stop(self) -> None:
-        """Stop every node this pair started: SIGTERM, then SIGKILL after a few seconds."""
+        """Stop every node this pair started: SIGTERM, then SIGKILL after a few seconds.
+        The ports are let go of as well: a stopped pair holds nothing."""
         for node in self.nodes:
             # A reaped process's pid may belong to another process by now: never signal it.
             if node.process is None or node.process.poll() is not None:
@@ -263,6 +329,8 @@ class BrokerPair:
             except subprocess.TimeoutExpired:
                 node.process.kill()
                 node.process.wait(5)
+        for node in self.nodes:
+            self._release(node)
 
     def _spawn(self, node: NodeProcess) -> None:
         other = self.nodes[1] if node is self.nodes[0] else self.nodes[0]
@@ -306,6 +374,7 @@ class BrokerPair:
         if node.netns is not None:
             command = ["ip", "netns", "exec", node.netns, *command]
         log = open(node.log_path, "ab")  # noqa: SIM115 - the child owns it after Popen
+        self._release(node)
         try:
             node.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -341,6 +410,7 @@ class BrokerPair:
         with contextlib.suppress(ProcessLookupError):
             os.kill(node.process.pid, signal.SIGKILL)
         node.process.wait(10)
+        self._reserve(node)  # until it starts again
 
     def pause(self, node: NodeProcess) -> None:
         os.kill(self._running_pid(node), signal.SIGSTOP)

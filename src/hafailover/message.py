@@ -120,6 +120,7 @@ class Message:
     # The session's handle for acknowledge(); None on a message built by the application.
     delivery: Any = attrs.field(default=None, repr=False)
     _acknowledger: Any = attrs.field(default=None, repr=False, alias="acknowledger")
+    _releaser: Any = attrs.field(default=None, repr=False, alias="releaser")
 
     @classmethod
     def of_body(cls, body: bytes | str, *, persistent: bool = True) -> Message:
@@ -168,6 +169,20 @@ class Message:
                 "this message was built here, not received: there is nothing to acknowledge"
             )
         self._acknowledger(self)
+
+    def release(self) -> None:
+        """CLIENT_INDIVIDUAL: give this message back, alone, as a failed delivery (a STOMP
+        NACK; on AMQP the modified outcome with delivery-failed): the broker raises its
+        delivery count and delivers it again, to this consumer or another, or moves it to
+        its dead-letter address once its count reaches the broker's limit; the consumer's
+        ``max_redeliveries`` counts it too. Waits out a failover (F1); a message delivered
+        before a reconnect cannot be released any more than acknowledged: the session
+        recovers and StaleAcknowledge is raised (F8; the old broker session gave it back)."""
+        if self._releaser is None:
+            raise IllegalStateError(
+                "this message was built here, not received: there is nothing to release"
+            )
+        self._releaser(self)
 
 
 # Every field's default, for Message.of_body (the mutable one, properties, is made there).

@@ -93,6 +93,20 @@ class FailoverOutcome:
     rolled_back: bool = False  # TRANSACTED: a transaction with work in it was doomed (F9)
 
 
+# What gives a message back in the modes that have no release() of one message.
+_RELEASE_INSTEAD: dict[AckMode, str] = {
+    AckMode.AUTO: "receive() acknowledged the message already; a message listener that "
+    "raises gives its message back",
+    AckMode.DUPS_OK: "receive() acknowledged the message already; a message listener that "
+    "raises gives its message back",
+    AckMode.CLIENT: "a CLIENT session settles every earlier message with the one named "
+    "(a STOMP NACK is cumulative there too); use recover(), or a CLIENT_INDIVIDUAL session",
+    AckMode.CLIENT_INDIVIDUAL: "",
+    AckMode.SESSION_TRANSACTED: "rollback() gives the transaction's messages back",
+    AckMode.NO_ACKNOWLEDGE: "the broker settled the message as it sent it",
+}
+
+
 class AckRules:
     """The acknowledge rules of one session. Subclasses implement one mode each."""
 
@@ -186,6 +200,16 @@ class AckRules:
     def recover(self) -> RecoverDecision:
         """The application called recover(): always succeeds (F6, F8)."""
         return RecoverDecision(())
+
+    def release(self, delivery: Delivery) -> AckDecision:
+        """The application gave one message back (``Message.release()``): a failed
+        delivery, which the broker counts and delivers again. Only CLIENT_INDIVIDUAL
+        settles one message alone; elsewhere it is misuse, said with what to use instead."""
+        self.check_owner(delivery)
+        raise IllegalStateError(
+            f"release() is for CLIENT_INDIVIDUAL sessions, not {self.mode.value}: "
+            f"{_RELEASE_INSTEAD[self.mode]}"
+        )
 
     @staticmethod
     def pipelines(*, sender_id: bool, block_on_acknowledge: bool) -> bool:

@@ -9,6 +9,7 @@ redeliver them). The next acknowledge() then recovers the session implicitly
 and raises StaleAcknowledge; the recover is a full one (the broker redelivers)
 only if messages were delivered since the failover, else it merely marks the
 session clean. recover() after a failover always succeeds and cleans the session.
+CLIENT_INDIVIDUAL also gives one message back alone (``release``), under the same rules.
 """
 
 from __future__ import annotations
@@ -104,7 +105,24 @@ class ClientAckRules(AckRules):
 
 
 class ClientIndividualAckRules(ClientAckRules):
+    """CLIENT_INDIVIDUAL: each message is settled alone, so one can also be given back
+    alone (``release``: STOMP NACK, AMQP modified with delivery-failed). A release is an
+    acknowledge with another outcome, and a failover treats it as one: a release in a
+    session dirty since a reconnect recovers it and raises StaleAcknowledge (F8: the
+    message went back with the old broker session already)."""
+
     mode: ClassVar[AckMode] = AckMode.CLIENT_INDIVIDUAL
+
+    def release(self, delivery: Delivery) -> AckDecision:
+        self.check_owner(delivery)
+        if self.dirty:
+            return self._recover_implicitly()
+        if self.is_stale(delivery) or delivery.tag not in self._unacked:
+            # Acknowledged or released already (a clean session held nothing unsettled at
+            # the failover): as a second acknowledge, nothing to do.
+            return AckDecision(AckAction.NOTHING)
+        del self._unacked[delivery.tag]
+        return AckDecision(AckAction.REDELIVER, (delivery.tag,))
 
     def _acknowledge(self, tag: str) -> AckDecision:
         if tag not in self._unacked:

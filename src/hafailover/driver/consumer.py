@@ -26,6 +26,7 @@ from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock, error_for
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.dedup_file import DedupFile
+from hafailover.driver.waits import Steps, run_steps
 from hafailover.errors import (
     AcknowledgeFailedError,
     ConfigurationError,
@@ -41,7 +42,7 @@ from hafailover.protocols.base import Link
 if TYPE_CHECKING:
     from hafailover.driver.session import Session
 
-__all__ = ["DEFAULT_PREFETCH", "Consumer"]
+__all__ = ["DEFAULT_PREFETCH", "Consumer", "stable_id"]
 
 DEFAULT_PREFETCH: Final = 100
 
@@ -197,7 +198,7 @@ class Consumer:
                 self._drop_duplicate(tag)
                 continue
             if self._acknowledged and self._redelivery.exceeded(
-                _stable_id(message), message.delivery_count
+                stable_id(message), message.delivery_count
             ):
                 self._reject_poison(tag, message)
                 continue
@@ -214,6 +215,7 @@ class Consumer:
                     self._held_ids.add(message_id)
             message.delivery = rules.delivered(tag)
             message._acknowledger = session._acknowledge_message
+            message._releaser = self._release
             session._tag_subscriptions[tag] = self.subscription
             session.connection._received += 1
             return message
@@ -233,7 +235,7 @@ class Consumer:
             "failed deliveries (max_redeliveries=%d)",
             self.destination,
             message.message_id,
-            limit.failures(_stable_id(message), message.delivery_count),
+            limit.failures(stable_id(message), message.delivery_count),
             limit.max_redeliveries,
         )
         link = connection._admitted_link()
@@ -303,11 +305,26 @@ class Consumer:
         decision = session.rules.listener_failed(delivery)
         if decision.action is not AckAction.REDELIVER:
             return
-        self._redelivery.failed(_stable_id(message), message.delivery_count)
+        self._failed_delivery(message, decision.tags)
+
+    def _release(self, message: Message) -> None:
+        """Message.release() of a message this consumer handed out."""
+        run_steps(self.session.connection, self._release_steps(message))
+
+    def _release_steps(self, message: Message) -> Steps[None]:
+        """The same as steps, for a caller that serves the waits its own way (asyncio)."""
+        return self.session._release_message_steps(message, self)
+
+    def _failed_delivery(self, message: Message, tags: tuple[str, ...]) -> None:
+        """Under the lock: ``message`` goes back as a failed delivery (a listener raised, or
+        the application released it): the broker counts it, and so does max_redeliveries
+        here (a give-back lost with the connection still counts)."""
+        session = self.session
+        self._redelivery.failed(stable_id(message), message.delivery_count)
         if self._dedup is not None and self._remembered_at is Remembered.AT_DELIVERY:
             self._dedup.forget(message.message_id)  # its redelivery is no duplicate
-        session._forget_seen(decision.tags)
-        session._give_back(decision.tags)
+        session._forget_seen(tags)
+        session._give_back(tags)
 
     def _acknowledge_now(
         self, link: Link, tags: tuple[str, ...], message: Message
@@ -543,7 +560,7 @@ class Consumer:
                 yield message
 
 
-def _stable_id(message: Message) -> str | None:
+def stable_id(message: Message) -> str | None:
     """The id by which a consumer counts a message's failures itself: its sender's id,
     the same on every delivery by every broker. A broker's own message id may change from
     one delivery to the next (RabbitMQ's STOMP ids do): then only the broker's count

@@ -44,7 +44,7 @@ from hafailover.driver import tracing
 from hafailover.driver.browser import Browser
 from hafailover.driver.calls import error_for
 from hafailover.driver.completions import SendCompletion
-from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer
+from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer, stable_id
 from hafailover.driver.dedup_file import DedupFile
 from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
@@ -431,16 +431,7 @@ class Session(Transactions):
             rules = self.rules
             decision = rules.acknowledge_all() if delivery is None else rules.acknowledge(delivery)
             if decision.action is AckAction.RAISE:
-                # F8: recover implicitly: what was delivered since the failover goes back
-                # to the broker too (what came before it went back with the old session).
-                self._give_back(decision.redeliver)
-                self._recover_locked(decision)
-                assert decision.code is not None
-                raise error_for(
-                    decision.code,
-                    "the session failed over holding unacknowledged messages; they will be "
-                    "redelivered (the session recovered)",
-                )
+                raise self._recovered(decision)
             if decision.action is not AckAction.SEND or not decision.tags:
                 return None
             completion = SendCompletion(connection, None)
@@ -460,6 +451,35 @@ class Session(Transactions):
                 self._dedup_forget(decision.tags)
         return completion, decision.tags
 
+    def _release_message_steps(self, message: Message, consumer: Consumer) -> Steps[None]:
+        """Message.release(): wait out a failover (F1), then give the message back as the
+        rules decide. Nothing to wait for after: a NACK the connection loses is the
+        failover's, and the broker delivers the message again then anyway."""
+        delivery = message.delivery
+        if delivery is None:
+            raise IllegalStateError("this message was not received by a session")
+        self._check_open()
+        connection = self.connection
+        deadline = connection._failover_deadline()
+        yield from attempts(functools.partial(self._release_written, message, consumer, deadline))
+
+    def _release_written(
+        self, message: Message, consumer: Consumer, deadline: float | None
+    ) -> None:
+        """Write the release of ``message``; WouldBlock, having done nothing, while the
+        connection fails over (so the rules decide with its outcome applied)."""
+        connection = self.connection
+        with connection._cond:
+            connection._admit(deadline, block=False)
+            decision = self.rules.release(message.delivery)
+            if decision.action is AckAction.RAISE:
+                # F8, as an acknowledge. The failure is the application's verdict all the
+                # same: max_redeliveries counts it.
+                consumer._redelivery.failed(stable_id(message), message.delivery_count)
+                raise self._recovered(decision)
+            if decision.action is AckAction.REDELIVER:
+                consumer._failed_delivery(message, decision.tags)
+
     def recover(self) -> None:
         """Redeliver every unacknowledged message; after a failover this cleans the session."""
         self._check_open()
@@ -471,6 +491,19 @@ class Session(Transactions):
             self._give_back(decision.redeliver)
             for consumer in self._consumers.values():
                 consumer._drop_buffer(give_back=True)
+
+    def _recovered(self, decision: AckDecision) -> HaFailoverError:
+        """Under the lock, F8: an acknowledge or release in a session a failover made dirty
+        recovers it implicitly (what was delivered since the failover goes back to the
+        broker too; what came before it went back with the old session); the error to raise."""
+        self._give_back(decision.redeliver)
+        self._recover_locked(decision)
+        assert decision.code is not None
+        return error_for(
+            decision.code,
+            "the session failed over holding unacknowledged messages; they will be "
+            "redelivered (the session recovered)",
+        )
 
     def _recover_locked(self, decision: AckDecision) -> None:
         for consumer in self._consumers.values():
@@ -520,17 +553,19 @@ class Session(Transactions):
         if link is None:
             return  # the broker redelivers them to the new session anyway
         for tag in tags:
-            subscription = self._tag_subscriptions.pop(tag, "")
-            if subscription:
-                try:
-                    link.redeliver(subscription, tag)
-                except HaFailoverError as exc:
-                    # Not given back: the failover's rules decide what becomes of it.
-                    connection._io_failed(link, exc)
-                    continue
-                consumer = self._consumers.get(subscription)
-                if link.windowed and consumer is not None:
-                    consumer._given_back_on_session(tag)
+            consumer = self._consumers.get(self._tag_subscriptions.pop(tag, ""))
+            if consumer is None:
+                # Its consumer closed, and the broker took back what the subscription held
+                # as it ended; a NACK naming that subscription would be refused (STOMP).
+                continue
+            try:
+                link.redeliver(consumer.subscription, tag)
+            except HaFailoverError as exc:
+                # Not given back: the failover's rules decide what becomes of it.
+                connection._io_failed(link, exc)
+                continue
+            if link.windowed:
+                consumer._given_back_on_session(tag)
 
     def _failed_over(self, outcome: FailoverOutcome, link: Link, *, reattached: bool) -> None:
         """Under the lock: carry out what this session's rules decided at a failover."""

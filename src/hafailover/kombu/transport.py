@@ -4,7 +4,8 @@ A real ``kombu.transport.base.Transport``, not kombu's virtual one: messages sta
 broker until they are acknowledged, and the broker redelivers what a consumer had not
 acknowledged when its session ended. One kombu connection is one hafailover connection
 (failover happens inside it, where kombu and Celery never see it); one kombu channel is one
-hafailover session in CLIENT_INDIVIDUAL mode, so each kombu ``ack`` acknowledges one message.
+hafailover session in CLIENT_INDIVIDUAL mode, so each kombu ``ack`` acknowledges one message
+and each ``reject(requeue=True)`` gives one back (``Message.release()``).
 
 What this module owns, and what it must never do:
 
@@ -588,13 +589,18 @@ class Channel(base.StdChannel):
             # A broadcast copy is this queue's alone: it is delivered again here.
             self.connection.inbox.put((self, subscription, raw.message))
             return
-        # Neither protocol gives one message back alone (a STOMP NACK, an AMQP "released"
-        # outcome are not in hafailover's API): the message goes back as a copy with a
-        # new id, then the delivered one is acknowledged.
-        self._requeue_copy(raw, queue_name)
-        if not self._acknowledge(raw.message, stale_ok=True):
-            # The broker takes the original back as well: the window drops that copy.
-            window.finished(key)
+        # The message itself goes back, alone (a STOMP NACK, the AMQP modified outcome with
+        # delivery-failed): the broker delivers it again with its delivery count raised,
+        # and the window, which let go of it above, delivers that copy.
+        try:
+            raw.message.release()
+        except StaleAcknowledgeError:
+            # A failover gave it back with the old broker session already: it comes again.
+            log.info(
+                "requeue of %s on %s: a failover gave it back already",
+                raw.message.message_id,
+                queue_name,
+            )
 
     def basic_recover(self, requeue: bool = True) -> None:
         """Every message this channel delivered and kombu has not settled goes back."""
@@ -669,23 +675,6 @@ class Channel(base.StdChannel):
                 raise
             return False
         return True
-
-    def _requeue_copy(self, raw: _Raw, queue_name: str) -> None:
-        envelope = dict(raw.envelope)
-        properties = dict(envelope.get("properties") or {})
-        properties["message_id"] = uuid.uuid4().hex
-        envelope["properties"] = properties
-        envelope["redelivered"] = True  # as the broker's own redelivery would say
-        original = raw.message
-        copy = hafailover.Message(
-            body=original.body_bytes,
-            properties={ENVELOPE: json.dumps(envelope)},
-            persistent=original.persistent,
-            priority=original.priority,
-            correlation_id=original.correlation_id,
-            message_id=properties["message_id"],
-        )
-        self._producer.send(copy, destination=ROUTES.address(queue_name))
 
     def _subscription_of(self, raw: _Raw) -> _Subscription | None:
         if raw.consumer_tag is None:
