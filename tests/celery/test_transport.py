@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import kombu
@@ -312,3 +313,36 @@ def test_a_connection_hafailover_gave_up_on_reaches_drain_events(
             drain_until_it_raises(connection, limit=20.0)
         assert isinstance(caught.value, connection.connection_errors)
         assert not connection.connected
+
+
+def test_a_requeue_gives_the_message_itself_back_until_the_brokers_limit_dead_letters_it(
+    tmp_path: Path, protocol: str, name: str
+) -> None:
+    """reject(requeue=True) returns the delivered message (same id, redelivered), not a copy
+    under a new id: so the broker counts its deliveries and its limit applies."""
+    with BrokerPair(
+        tmp_path / "pair",
+        user="app",
+        password="secret",
+        node_options=["--max-delivery-attempts", "3", "--dead-letter-queue", "queue://poison"],
+    ) as pair:
+        pair.wait_synchronized(30)
+        with kombu.Connection(kombu_url(pair, protocol)) as connection:
+            queue = connection.SimpleQueue(name)
+            queue.put({"seq": 1})
+            ids = []
+            for attempt in range(3):
+                message = queue.get(timeout=5)
+                assert message.payload == {"seq": 1}
+                assert message.delivery_info["redelivered"] is (attempt > 0)
+                ids.append(message.properties.get("message_id"))
+                message.requeue()
+            assert len(set(ids)) == 1 and ids[0], f"a requeue sent a copy: ids {ids}"
+            with pytest.raises(queue.Empty):
+                queue.get(timeout=1)
+            queue.close()
+            poison = connection.SimpleQueue("poison")
+            dead = poison.get(timeout=5)
+            assert dead.payload == {"seq": 1}
+            dead.ack()
+            poison.close()
