@@ -127,3 +127,39 @@ def test_a_release_after_its_consumer_closed_writes_nothing(
         again.acknowledge()
         time.sleep(0.5)  # a refusal would have ended the connection by now
         assert connection.statistics().failovers == 0
+
+
+@pytest.mark.parametrize("mode", [AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL])
+def test_an_acknowledge_after_its_consumer_closed_writes_nothing_and_says_so(
+    pair: BrokerPair, protocol: str, mode: AckMode
+) -> None:
+    """The consumer's close gave its unacknowledged messages back. Acknowledging one after
+    that must not name the ended subscription (STOMP refuses it with the connection): a
+    CLIENT_INDIVIDUAL acknowledge raises, saying the message comes again; a CLIENT one
+    acknowledges what the session still holds. Either way the message is delivered again."""
+    queue = f"queue://closed-ack-{uuid.uuid4().hex[:8]}"
+    other = f"queue://kept-ack-{uuid.uuid4().hex[:8]}"
+    with hafailover.connect(url_for(pair, protocol)) as connection:
+        session = connection.create_session(mode)
+        session.create_producer(queue).send(Message(body="held"))
+        session.create_producer(other).send(Message(body="kept"))
+        closing = session.create_consumer(queue, prefetch=1)
+        staying = session.create_consumer(other, prefetch=1)
+        connection.start()
+        message = closing.receive(10)
+        kept = staying.receive(10)
+        assert message is not None and kept is not None
+        closing.close()
+        if mode is AckMode.CLIENT_INDIVIDUAL:
+            with pytest.raises(IllegalStateError, match="consumer closed"):
+                message.acknowledge()
+            kept.acknowledge()
+        else:
+            message.acknowledge()  # the session's acknowledge: what it still holds
+        again = session.create_consumer(queue).receive(10)
+        assert again is not None and again.body_bytes == b"held"
+        again.acknowledge()
+        time.sleep(0.5)  # a refusal would have ended the connection by now
+        assert connection.statistics().failovers == 0
+    assert drain(url_for(pair, protocol), other, idle=0.3) == []
+    assert drain(url_for(pair, protocol), queue, idle=0.3) == []

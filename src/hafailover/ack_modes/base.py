@@ -164,6 +164,10 @@ class AckRules:
     def transaction_ended(self) -> None:
         """Commit or rollback finished: the next transaction starts empty (TRANSACTED)."""
 
+    def subscription_ended(self, tags: tuple[str, ...]) -> None:
+        """A consumer closed holding ``tags`` delivered and not acknowledged: the broker
+        took them back with the subscription and delivers them again (CLIENT modes)."""
+
     @staticmethod
     def ack_failed(code: ErrorCode | None, *, last: bool) -> AckDecision:
         """An acknowledge the broker was asked to confirm ended with an error: what the

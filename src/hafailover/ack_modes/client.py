@@ -25,9 +25,11 @@ from hafailover.ack_modes.base import (
     RecoverDecision,
 )
 from hafailover.ack_modes.modes import AckMode
-from hafailover.errors import ErrorCode
+from hafailover.errors import ErrorCode, IllegalStateError
 
 __all__ = ["ClientAckRules", "ClientIndividualAckRules"]
+
+_TAKEN_BACK_KEPT = 10_000
 
 
 class ClientAckRules(AckRules):
@@ -38,6 +40,9 @@ class ClientAckRules(AckRules):
         super().__init__(session_id)
         # Tags delivered to the application and not yet acknowledged, in order.
         self._unacked: dict[str, None] = {}
+        # Delivered, unacknowledged, and their consumer closed: the broker took them back.
+        # The newest _TAKEN_BACK_KEPT only: an older one's acknowledge does nothing.
+        self._taken_back: dict[str, None] = {}
         self.dirty = False
 
     @property
@@ -70,7 +75,24 @@ class ClientAckRules(AckRules):
             # A clean session had nothing unacknowledged at the failover: this
             # message was acknowledged before it, so there is nothing to do.
             return AckDecision(AckAction.NOTHING)
+        if delivery.tag in self._taken_back:
+            return self._acknowledge_taken_back(delivery.tag)
         return self._acknowledge(delivery.tag)
+
+    def subscription_ended(self, tags: tuple[str, ...]) -> None:
+        for tag in tags:
+            if tag in self._unacked:
+                del self._unacked[tag]
+                self._taken_back[tag] = None
+        while len(self._taken_back) > _TAKEN_BACK_KEPT:
+            del self._taken_back[next(iter(self._taken_back))]
+
+    def _acknowledge_taken_back(self, tag: str) -> AckDecision:
+        """The message's consumer closed before it was acknowledged. A CLIENT acknowledge
+        covers the whole session: what the session still holds is acknowledged (the
+        closed consumer's messages are not, the broker has them back)."""
+        self._taken_back.pop(tag, None)
+        return self.acknowledge_all()
 
     def _recover_implicitly(self) -> AckDecision:
         """F8: the acknowledge of a dirty session recovers it (what was delivered since the
@@ -92,12 +114,14 @@ class ClientAckRules(AckRules):
     def recover(self) -> RecoverDecision:
         tags = tuple(self._unacked)
         self._unacked.clear()
+        self._taken_back.clear()
         self.dirty = False
         return RecoverDecision(tags)
 
     def _reconnected(self) -> FailoverOutcome:
         stale = tuple(self._unacked)
         self._unacked.clear()
+        self._taken_back.clear()  # stale now: the acknowledge of one does nothing
         # Dirtiness sticks until an acknowledge or recover deals with it, even
         # across a second failover.
         self.dirty = self.dirty or bool(stale)
@@ -129,6 +153,15 @@ class ClientIndividualAckRules(ClientAckRules):
             return AckDecision(AckAction.NOTHING)
         del self._unacked[tag]
         return AckDecision(AckAction.SEND, (tag,))
+
+    def _acknowledge_taken_back(self, tag: str) -> AckDecision:
+        """Acknowledging one message alone says it was processed: tell the application
+        that it was not settled, and will come again, instead of pretending."""
+        self._taken_back.pop(tag, None)
+        raise IllegalStateError(
+            "this message's consumer closed before the message was acknowledged: the broker "
+            "took it back and delivers it again (acknowledge before closing the consumer)"
+        )
 
     def acknowledge_all(self) -> AckDecision:
         """Session.acknowledge() covers every message delivered, each acknowledged alone."""

@@ -530,6 +530,16 @@ class Consumer:
             self._closed = True
             self._drop_buffer(give_back=True)
             session._consumers.pop(self.subscription, None)
+            if session.rules.acknowledged_by_application:
+                # What it handed out and the application has not acknowledged goes back to
+                # the broker with the subscription; an acknowledge naming the subscription
+                # would be refused (STOMP): the rules forget those messages.
+                held = tuple(
+                    t for t, s in session._tag_subscriptions.items() if s == self.subscription
+                )
+                for tag in held:
+                    del session._tag_subscriptions[tag]
+                session.rules.subscription_ended(held)
             link = connection._admitted_link()
             if link is not None:
                 with contextlib.suppress(HaFailoverError):
