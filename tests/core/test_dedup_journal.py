@@ -3,6 +3,9 @@ a torn write never loses the ids before it, and the journal stays bounded."""
 
 from __future__ import annotations
 
+import json
+import zlib
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -73,6 +76,61 @@ def test_a_journal_read_back_is_rewritten_before_anything_is_appended() -> None:
     window.remember(["c"])
     assert journal.rewrites == 1
     assert replay(journal.data, 10) == (("a", "c"), 0)
+
+
+def _record(body: bytes) -> bytes:
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def test_the_journal_is_compacted_once_it_holds_more_than_size_records_beyond_the_window() -> None:
+    """Appends until the records beyond the window's ids exceed ``size``; a forget is one
+    record, as a remember is."""
+    journal = MemoryJournal()
+    window = DuplicateWindow(2, journal=journal)
+    assert journal.rewrites == 1  # the snapshot a kept window starts from
+    window.remember(["a", "b", "c", "d"])  # 4 records, 2 ids: 2 beyond, not more
+    assert journal.rewrites == 1
+    window.remember(["e"])  # 5 records, 2 ids: 3 beyond
+    assert journal.rewrites == 2
+    assert replay(journal.data, 2) == (("d", "e"), 0)
+
+    journal = MemoryJournal()
+    window = DuplicateWindow(2, journal=journal)
+    window.remember(["a", "b"])
+    window.forget("a")  # 3 records, 1 id: 2 beyond
+    assert journal.rewrites == 1
+    window.forget("b")  # 4 records, no id: 4 beyond
+    assert journal.rewrites == 2
+    assert journal.data == b""
+
+
+def test_a_window_without_a_journal_never_compacts() -> None:
+    window = DuplicateWindow(2)
+    window.remember(["a", "b", "c"])
+    assert not window.compaction_due
+
+
+def test_any_string_id_is_written_as_ascii_and_read_back() -> None:
+    """An id that is not valid UTF-8 text (a lone surrogate) is escaped, not refused: the
+    journal is ASCII whatever the ids."""
+    journal = MemoryJournal()
+    odd = ["ünï", "\ud800", "\u2028"]
+    DuplicateWindow(10, journal=journal).remember(odd)
+    assert journal.data.isascii()
+    assert replay(journal.data, 10) == (tuple(odd), 0)
+
+
+def test_a_record_whose_id_is_not_a_string_is_skipped() -> None:
+    """A record with a good checksum but not of the journal's shape is damage, not an id."""
+    good = encode_record("+", "a")
+    for body in (["+", 5], ["+", None], ["?", "b"], ["+"]):
+        record = _record(json.dumps(body).encode())
+        assert replay(good + record, 10) == (("a",), 1)
+
+
+def test_every_damaged_record_is_counted() -> None:
+    good = encode_record("+", "a")
+    assert replay(b"junk\n" + good + b"more junk\n" + b"00000000 []\n", 10) == (("a",), 3)
 
 
 class JournalMachine(RuleBasedStateMachine):

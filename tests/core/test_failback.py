@@ -11,8 +11,10 @@ from hafailover.ack_modes import AckMode
 from hafailover.core.failover import (
     CloseTransport,
     Connected,
+    Exhausted,
     FailoverMachine,
     FailoverState,
+    FailoverStateError,
     InvalidateBrowsers,
     Lost,
     NotifyListener,
@@ -94,8 +96,6 @@ def test_no_move_while_work_is_unfinished_or_about_a_replaced_link() -> None:
 
 
 def test_a_failback_that_finds_no_broker_ends_as_a_disconnect_not_a_failback() -> None:
-    from hafailover.core.failover import Exhausted
-
     machine = up_on(1)
     machine.handle(PreferredAnswered(link=1))
     effects = machine.handle(Exhausted(3, "refused"))
@@ -182,3 +182,28 @@ def test_no_move_while_an_automatic_acknowledge_is_still_to_come(mode: AckMode) 
     assert core.failback_blocker() is not None
     rules.listener_failed(second)  # given back to the broker: nothing left in hand
     assert core.failback_blocker() is None
+
+
+def test_a_failback_counts_as_one_failover_started() -> None:
+    machine = up_on(1)
+    machine.handle(Lost("gone", link=1))  # a failover first, to the backup
+    machine.handle(Connected(parse_url("stomp://b").brokers[0], link=2))
+    machine.handle(Restored())
+    machine.handle(PreferredAnswered(link=2))
+    assert machine.failovers_started == 2
+    machine.handle(Connected(parse_url("stomp://a").brokers[0], link=3))
+    machine.handle(Restored())
+    assert (machine.failovers_started, machine.failovers_completed) == (2, 2)
+
+
+def test_a_driver_bug_in_the_middle_of_a_failback_still_tells_the_listener() -> None:
+    """F2, F10: the move back is a failover whose outcome is owed to the listener; an
+    illegal event that makes the machine FAILED leaves it owed, and the Exhausted that ends
+    reconnection tells it."""
+    machine = up_on(1)
+    machine.handle(PreferredAnswered(link=1))
+    with pytest.raises(FailoverStateError):
+        machine.handle(Restored())
+    assert machine.state is FailoverState.FAILED
+    effects = machine.handle(Exhausted(1, "a bug"))
+    assert NotifyListener(ErrorCode.DISCONNECT, reason="a bug") in effects

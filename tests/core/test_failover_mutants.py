@@ -16,6 +16,7 @@ from hafailover.core.failover import (
 )
 from hafailover.errors import ErrorCode
 from hafailover.url import BrokerAddress
+from tests.core.test_failover import machine_in
 
 LIVE = BrokerAddress("stomp", "live", 61613)
 BACKUP = BrokerAddress("stomp", "backup", 61613)
@@ -62,3 +63,10 @@ def test_an_event_out_of_place_is_named_in_the_error() -> None:
     with pytest.raises(FailoverStateError, match=r"^Restored is not valid in state 'connecting'$"):
         machine.handle(Restored())
     assert machine.state is FailoverState.FAILED
+
+
+@pytest.mark.parametrize("state", list(FailoverState))
+def test_only_a_failed_or_closed_machine_is_finished(state: FailoverState) -> None:
+    """The driver reads ``finished`` to know that no attempt can bring the connection back."""
+    machine = machine_in(state)
+    assert machine.finished is (state in (FailoverState.FAILED, FailoverState.CLOSED))

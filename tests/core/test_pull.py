@@ -22,3 +22,14 @@ def test_what_is_no_prefetch_is_refused_by_name(bad: object) -> None:
         assert f"prefetch must be a whole number >= 0, not {bad!r}" == prefetch_refusal(
             bad, protocol
         )
+
+
+def test_the_stomp_refusal_gives_the_reason_and_the_two_ways_out() -> None:
+    """The whole message, as the application reads it: why STOMP cannot pull (its flow
+    control), and what to use instead."""
+    assert prefetch_refusal(0, Protocol.STOMP) == (
+        "prefetch=0 needs a protocol in which a client asks for each message: STOMP's "
+        "flow control is a window of at least one unacknowledged message the broker "
+        "sends ahead (prefetch-count), with no way to ask for one or take a request "
+        "back; use prefetch=1 on STOMP, or AMQP for a consumer that holds nothing"
+    )

@@ -65,3 +65,9 @@ def test_the_redirect_info_names_network_host_first() -> None:
     assert parse_redirect({"port": 1}) is None
     assert parse_redirect({"hostname": "h", "port": 70000}) is None
     assert parse_redirect("h:1") is None
+
+
+def test_a_redirect_that_names_a_port_goes_to_that_port() -> None:
+    schedule = ReconnectSchedule(parse_url("failover:(amqp://a,amqp://b)"), rng=random.Random(0))
+    assert schedule.rotation.redirect("elsewhere", 5999).endpoint == ("elsewhere", 5999)
+    assert schedule.plan(initial=False, limit=1)[0].broker.endpoint == ("elsewhere", 5999)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -25,6 +27,19 @@ def schedule(url: str, seed: int = 0) -> ReconnectSchedule:
 
 def hosts(attempts: list[BrokerAddress]) -> list[str]:
     return [b.host for b in attempts]
+
+
+def at_most(attempts: int) -> Callable[[float], None]:
+    """A sleep for ``run()`` that fails the test once the schedule goes on past
+    ``attempts`` attempts: a schedule that never stops fails the test at once instead of
+    hanging it (run() sleeps before every attempt after the first, even for 0 s)."""
+    made = itertools.count(2)
+
+    def sleep(seconds: float) -> None:
+        if next(made) > attempts:
+            raise AssertionError(f"the schedule went on past {attempts} attempts")
+
+    return sleep
 
 
 def test_artemis_backoff_formula_without_jitter() -> None:
@@ -74,7 +89,7 @@ def test_nofailover_makes_no_reconnect_attempt() -> None:
     s = schedule("failover:(stomp://a,stomp://b)?failover_method=nofailover")
     assert s.plan(initial=False, limit=5) == []
     with pytest.raises(AttemptsExhausted) as caught:
-        s.run(lambda b, n: b, initial=False, sleep=lambda d: None, cancelled=lambda: False)
+        s.run(lambda b, n: b, initial=False, sleep=at_most(100), cancelled=lambda: False)
     assert caught.value.attempts == 0
 
 
@@ -88,7 +103,7 @@ def test_initial_connection_tries_only_the_first_broker_by_default() -> None:
         raise ConnectionRefusedError(broker.host)
 
     with pytest.raises(AttemptsExhausted) as caught:
-        s.run(refuse, initial=True, sleep=lambda d: None, cancelled=lambda: False)
+        s.run(refuse, initial=True, sleep=at_most(100), cancelled=lambda: False)
     assert tried == ["live"]
     assert isinstance(caught.value.last_error, ConnectionRefusedError)
 
@@ -103,7 +118,7 @@ def test_initial_connect_attempts_allow_walking_the_list() -> None:
             raise ConnectionRefusedError(broker.host)
         return "connected"
 
-    assert s.run(backup_only, initial=True, sleep=lambda d: None, cancelled=lambda: False) == (
+    assert s.run(backup_only, initial=True, sleep=at_most(100), cancelled=lambda: False) == (
         "connected"
     )
     assert tried == ["live", "backup"]
@@ -145,7 +160,7 @@ def test_exhaustion_after_reconnect_attempts() -> None:
         raise ConnectionResetError
 
     with pytest.raises(AttemptsExhausted) as caught:
-        s.run(refuse, initial=False, sleep=lambda d: None, cancelled=lambda: False)
+        s.run(refuse, initial=False, sleep=at_most(100), cancelled=lambda: False)
     assert calls == [1, 2, 3]
     assert caught.value.attempts == 3
 
@@ -159,7 +174,7 @@ def test_forever_keeps_going_until_cancelled() -> None:
         raise ConnectionResetError
 
     with pytest.raises(ReconnectCancelled):
-        s.run(refuse, initial=False, sleep=lambda d: None, cancelled=lambda: len(calls) >= 50)
+        s.run(refuse, initial=False, sleep=at_most(100), cancelled=lambda: len(calls) >= 50)
     assert len(calls) == 50
 
 
@@ -175,7 +190,7 @@ def test_errors_a_retry_cannot_fix_propagate_at_once() -> None:
             raise error
 
         with pytest.raises(type(error)):
-            s.run(refuse, initial=False, sleep=lambda d: None, cancelled=lambda: False)
+            s.run(refuse, initial=False, sleep=at_most(100), cancelled=lambda: False)
         assert calls == [1]
 
 
@@ -200,7 +215,7 @@ def test_any_other_failure_of_an_attempt_is_retried() -> None:
             return "connected"
 
         assert (
-            s.run(fail_twice, initial=False, sleep=lambda d: None, cancelled=lambda: False)
+            s.run(fail_twice, initial=False, sleep=at_most(100), cancelled=lambda: False)
             == "connected"
         )
         assert calls == [1, 2, 3]

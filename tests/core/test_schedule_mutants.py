@@ -14,6 +14,7 @@ import pytest
 from hafailover.core.schedule import Attempt, AttemptsExhausted, ReconnectSchedule
 from hafailover.errors import SecurityError
 from hafailover.url import BrokerAddress, parse_url
+from tests.core.test_schedule import at_most
 
 
 class Extremes(random.Random):
@@ -86,7 +87,7 @@ def test_the_first_connection_walks_the_list_in_order_even_with_random() -> None
         raise ConnectionRefusedError(broker.host)
 
     with pytest.raises(AttemptsExhausted):
-        s.run(refuse, initial=True, sleep=lambda d: None, cancelled=lambda: False)
+        s.run(refuse, initial=True, sleep=at_most(100), cancelled=lambda: False)
     assert tried == ["a", "b", "c"]
 
 
@@ -110,7 +111,7 @@ def test_each_failed_attempt_is_reported_with_its_error() -> None:
         s.run(
             refuse,
             initial=False,
-            sleep=lambda d: None,
+            sleep=at_most(100),
             cancelled=lambda: False,
             on_failure=lambda a, e: heard.append((a.number, e)),
         )
@@ -138,6 +139,22 @@ def test_attempts_stop_at_their_limit_for_the_first_connection_and_a_reconnect()
             raise ConnectionResetError(broker.host)
 
         with pytest.raises(AttemptsExhausted) as caught:
-            s.run(refuse, initial=initial, sleep=lambda d: None, cancelled=lambda: False)
+            s.run(refuse, initial=initial, sleep=at_most(100), cancelled=lambda: False)
         assert calls == list(range(1, allowed + 1))
         assert caught.value.attempts == allowed
+
+
+def test_a_plan_numbers_its_attempts_and_keeps_the_first_connections_limit() -> None:
+    s = ReconnectSchedule(
+        parse_url(
+            "failover:(stomp://a,stomp://b)?initial_connect_attempts=2&reconnect_attempts=-1"
+        ),
+        rng=Extremes(),
+    )
+    assert [a.number for a in s.plan(initial=True, limit=5)] == [1, 2]
+    assert [a.number for a in s.plan(initial=False, limit=5)] == [1, 2, 3, 4, 5]
+
+
+def test_the_known_brokers_are_the_urls_until_a_broker_announces_others() -> None:
+    policy = parse_url("failover:(stomp://a,stomp://b)?failover_server_list=replace")
+    assert ReconnectSchedule(policy, rng=Extremes()).rotation.brokers == policy.brokers

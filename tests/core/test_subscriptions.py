@@ -137,3 +137,74 @@ def test_only_the_last_ids_are_remembered() -> None:
     assert not limit.exceeded("a", 0)
     assert limit.exceeded("b", 0)
     assert limit.exceeded("c", 0)
+
+
+def test_a_name_of_200_characters_using_every_allowed_one_is_accepted() -> None:
+    allowed = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_."
+    name = (allowed * 4)[:200]
+    assert named_subscription(SHARED, TOPIC, name, None).name == name
+    assert named_subscription(SHARED, TOPIC, allowed, None).name == allowed
+
+
+@pytest.mark.parametrize("kind", list(SubscriptionKind))
+def test_the_subscription_keeps_the_kind_asked_for(kind: SubscriptionKind) -> None:
+    subscription = named_subscription(kind, TOPIC, "ticks", "app")
+    assert subscription == NamedSubscription(kind, "ticks", "app")
+    assert subscription.durable is (kind is not SHARED)
+    assert subscription.shared is (kind is not DURABLE)
+
+
+def test_the_client_id_refusal_names_both_ways_out() -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        named_subscription(DURABLE, TOPIC, "ticks", None)
+    assert str(refused.value) == (
+        "durable subscription 'ticks' is not shared, so it needs a client id: add "
+        "client_id=<id> to the URL, or use create_shared_durable_consumer"
+    )
+
+
+def test_a_conflict_is_found_behind_other_subscriptions() -> None:
+    """Every open subscription is checked, not only those before the first other name."""
+    unrelated = (NamedSubscription(SHARED, "other", "app"), TOPIC, None)
+    wanted = NamedSubscription(DURABLE, "ticks", "app")
+    with pytest.raises(IllegalStateError, match="only one"):
+        check_can_open(wanted, TOPIC, None, [unrelated, _open(DURABLE)])
+
+
+def test_a_conflict_names_the_subscription_and_the_rule() -> None:
+    wanted = NamedSubscription(DURABLE, "ticks", "app")
+    with pytest.raises(IllegalStateError) as one:
+        check_can_open(wanted, TOPIC, None, [_open(DURABLE)])
+    assert str(one.value) == (
+        "subscription 'ticks' already has an active consumer on this connection, and a "
+        "subscription that is not shared may have only one"
+    )
+    shared = NamedSubscription(SHARED_DURABLE, "ticks", "app")
+    with pytest.raises(IllegalStateError) as changed:
+        check_can_open(shared, TOPIC, None, [_open(SHARED_DURABLE, OTHER)])
+    assert str(changed.value) == (
+        "subscription 'ticks' is open on topic://news with selector None; a shared "
+        "subscription cannot change its topic or selector while it has consumers"
+    )
+    with pytest.raises(IllegalStateError) as unsubscribing:
+        check_can_unsubscribe("ticks", [NamedSubscription(DURABLE, "ticks", "app")])
+    assert str(unsubscribing.value) == (
+        "durable subscription 'ticks' has an active consumer on this "
+        "connection: close it before unsubscribing"
+    )
+
+
+def test_a_message_without_an_id_is_judged_by_the_brokers_count_alone() -> None:
+    limit = RedeliveryLimit(0)
+    limit.failed(None, 0)
+    assert not limit.exceeded(None, 0)
+    assert limit.exceeded(None, 1)
+
+
+def test_the_consumer_counts_the_failures_of_its_last_10000_message_ids() -> None:
+    """docs/client.md, poison messages: "per message id (its last 10,000)"."""
+    limit = RedeliveryLimit(0)
+    for number in range(10_001):
+        limit.failed(str(number), 0)
+    assert not limit.exceeded("0", 0)  # the oldest is forgotten
+    assert limit.exceeded("1", 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hafailover.errors import InvalidURLError
-from hafailover.url import BrokerAddress, FailoverPolicy, parse_url
+from hafailover.url import BrokerAddress, FailoverPolicy, Protocol, parse_url
 
 
 def _rejected(url: str) -> InvalidURLError:
@@ -322,3 +322,67 @@ def test_the_float_ranges_include_their_ends() -> None:
     assert parse_url("stomp://h?retry_jitter=1").retry_jitter == 1.0
     assert "(1.5 is outside 0..1)" in str(_rejected("stomp://h?retry_jitter=1.5"))
     assert "(0.5 is outside 1..100)" in str(_rejected("stomp://h?retry_interval_multiplier=0.5"))
+
+
+@pytest.mark.parametrize(
+    ("scheme", "protocol", "tls", "port"),
+    [
+        ("stomp", Protocol.STOMP, False, 61613),
+        ("stomp+ssl", Protocol.STOMP, True, 61614),
+        ("amqp", Protocol.AMQP, False, 5672),
+        ("amqps", Protocol.AMQP, True, 5671),
+    ],
+)
+def test_each_scheme_names_its_protocol_tls_and_default_port(
+    scheme: str, protocol: Protocol, tls: bool, port: int
+) -> None:
+    """A single broker's URL: the policy's protocol is its one broker's; the default port
+    is what an address named without one (a redirect without a port) gets."""
+    policy = parse_url(f"{scheme}://h")
+    broker = policy.brokers[0]
+    assert (policy.protocol, broker.protocol, broker.tls) == (protocol, protocol, tls)
+    assert broker.port == broker.default_port == port
+
+
+def test_a_client_id_of_200_characters_is_accepted_and_a_bad_one_named() -> None:
+    client_id = ("a-_" * 67)[:200]
+    assert parse_url(f"stomp://h?client_id={client_id}").client_id == client_id
+    error = _rejected("stomp://h?client_id=a+b")
+    assert error.option == "client_id"
+    assert "'a+b' is not 1 to 200 letters, digits, '-' or '_'" in str(error)
+
+
+def test_a_redelivery_limit_below_minus_one_is_named() -> None:
+    error = _rejected("stomp://h?max_redeliveries=-2")
+    assert error.option == "max_redeliveries"
+    assert "(-2 is below -1)" in str(error)
+
+
+def test_the_dedup_file_needs_an_existing_directory_and_is_no_directory(tmp_path: Path) -> None:
+    path = tmp_path / "window"
+    policy = parse_url(f"stomp://h?consumer_dedup=10&consumer_dedup_file= {path} ")
+    assert policy.consumer_dedup_file == str(path)
+    missing = _rejected(f"stomp://h?consumer_dedup=10&consumer_dedup_file={tmp_path}/no/window")
+    assert missing.option == "consumer_dedup_file"
+    assert f"(no such directory: {tmp_path}/no)" in str(missing)
+    directory = _rejected(f"stomp://h?consumer_dedup=10&consumer_dedup_file={tmp_path}")
+    assert f"({tmp_path} is a directory)" in str(directory)
+
+
+def test_a_dedup_file_needs_a_duplicate_window_to_keep(tmp_path: Path) -> None:
+    error = _rejected(f"stomp://h?consumer_dedup=0&consumer_dedup_file={tmp_path}/window")
+    assert (error.option, error.accepted) == (
+        "consumer_dedup",
+        ("a positive count of message ids with consumer_dedup_file",),
+    )
+    assert str(error).startswith(
+        "consumer_dedup_file keeps the duplicate window, and consumer_dedup=0 has none"
+    )
+
+
+def test_use_topology_false_with_a_server_list_action_names_both_ways_out() -> None:
+    error = _rejected("stomp://h?use_topology=false&failover_server_list=add")
+    assert (error.option, error.accepted) == (
+        "failover_server_list",
+        ("ignore with use_topology=false", "use_topology=true"),
+    )

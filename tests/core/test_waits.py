@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hafailover.core.waits import LOOK_AGAIN, CallBudget, Expiry
+from hafailover.core.waits import LOOK_AGAIN, CallBudget, Expiry, Wait
 
 seconds = st.floats(0, 100, allow_nan=False)
 steps = st.lists(st.tuples(st.floats(0, 5, allow_nan=False), st.booleans()), max_size=30)
@@ -68,3 +68,10 @@ def test_the_pause_ends_at_the_nearer_budget() -> None:
 def test_a_budget_that_is_not_seconds_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="number of seconds"):
         CallBudget(bad)  # type: ignore[arg-type]
+
+
+def test_a_wait_without_a_message_of_its_own_says_the_call_timed_out() -> None:
+    """What CallTimeoutError says when the waiting call gave no message (a call that only
+    waits for the connection to come back, or for room in the window)."""
+    wait: Wait[object] = Wait(lambda: False, CallBudget(1.0))
+    assert wait.timed_out() == "the call timed out"
