@@ -236,7 +236,7 @@ class Transactions:
         completion = SendCompletion(connection, None)
         written = yield from attempts(
             functools.partial(
-                self._end_written,
+                self._acknowledges_written,
                 handle,
                 completion,
                 commit=commit,
@@ -246,17 +246,14 @@ class Transactions:
         )
         if written is None:
             return
-        link, token, settled = written
+        link, settled = written
         try:
-            if link.calls_block:
+            if settled:
+                # The discharge must not overtake these dispositions: written once settled.
                 for ack in settled:
                     yield from connection._completion_steps(ack)
-                if commit:
-                    with connection._cond:
-                        self._transaction("commit").commit_written()
-                yield from blocking(functools.partial(link.end, handle, commit=commit, token=token))
-                with connection._cond:
-                    connection._written(token, link, -1, asked=True)
+                if not self._end_written(link, handle, completion, commit=commit):
+                    return
             yield from connection._completion_steps(completion)
         except HaFailoverError:
             if quiet:
@@ -270,7 +267,7 @@ class Transactions:
                     for tag in received:
                         self._tag_subscriptions.pop(tag, None)
 
-    def _end_written(
+    def _acknowledges_written(
         self,
         handle: object,
         completion: SendCompletion,
@@ -278,11 +275,12 @@ class Transactions:
         commit: bool,
         received: tuple[str, ...],
         deadline: float | None,
-    ) -> tuple[Link, int, list[SendCompletion]] | None:
+    ) -> tuple[Link, list[SendCompletion]] | None:
         """Under the lock, once the connection admits calls (WouldBlock, nothing done,
-        while it fails over): write the acknowledges of ``received`` and, unless the link's
-        calls block, the commit or rollback itself. The link, the call's token and the
-        acknowledges to see settled first; None when there is nothing left to end."""
+        while it fails over): write the acknowledges of ``received`` and, unless the broker
+        must settle them first, the commit or rollback itself. The link and the
+        acknowledges to see settled before the commit is written; None when there is
+        nothing left to end."""
         connection = self.connection
         with connection._cond:
             link = connection._admit(deadline, block=False)
@@ -298,7 +296,6 @@ class Transactions:
                 for tag in received:
                     ack_token = None
                     if link.settles_transacted_work:
-                        # The discharge must not overtake these dispositions.
                         ack = SendCompletion(connection, None)
                         ack_token = connection._call(CallKind.ACK, ack, self)
                         settled.append(ack)
@@ -306,20 +303,36 @@ class Transactions:
                         self._tag_subscriptions.get(tag, ""), tag, tx=handle, token=ack_token
                     )
                     connection._written(ack_token, link, -1, asked=True)
+            if not settled:
+                self._end_written(link, handle, completion, commit=commit)
+            return link, settled
+
+    def _end_written(
+        self, link: Link, handle: object, completion: SendCompletion, *, commit: bool
+    ) -> bool:
+        """Register and write the commit or rollback on ``link`` (never waits); False when
+        ``link`` is no longer the connection's (a rollback is then the failover's)."""
+        connection = self.connection
+        with connection._cond:
+            if connection._admitted_link() is not link:
+                # Lost while its acknowledges settled: a commit learns its fate from the
+                # transaction rules (F3, F9); a rollback happened with the link.
+                if commit:
+                    raise UnblockedError("the transaction's connection failed over")
+                return False
             token = connection._call(CallKind.END, completion, self, commit=commit)
-            if not link.calls_block:
-                command_id = connection._window.next_id if link.windowed else -1
-                try:
-                    link.end(handle, commit=commit, token=token)
-                except HaFailoverError as exc:
-                    # Never written: the failover's rules decide (a commit not written is
-                    # rolled back, F3).
-                    connection._io_failed(link, exc)
-                else:
-                    connection._written(token, link, command_id, asked=True)
-                    if commit:
-                        self._transaction("commit").commit_written()
-            return link, token, settled
+            command_id = connection._window.next_id if link.windowed else -1
+            try:
+                link.end(handle, commit=commit, token=token)
+            except HaFailoverError as exc:
+                # Never written: the failover's rules decide (a commit not written is
+                # rolled back, F3).
+                connection._io_failed(link, exc)
+            else:
+                connection._written(token, link, command_id, asked=True)
+                if commit:
+                    self._transaction("commit").commit_written()
+            return True
 
     def _transaction(self, what: str) -> TransactionState:
         transaction = self.rules.transaction
