@@ -334,6 +334,18 @@ class AsyncConnection:
                 # stopped: the steps stop once it is over, so what they undo is done.
                 making.add_done_callback(functools.partial(_close_after, steps))
 
+    async def _steps_to_the_end(self, steps: Steps[R], what: str) -> R:
+        """Run steps that change what the broker holds (a commit, a rollback, closing a
+        session) to their end: cancelling the caller cancels its wait, never the call,
+        which goes on (its failure then logged), so the driver's state stays whole."""
+        running = self._spawn(self._steps(steps))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            if not running.done():
+                running.add_done_callback(functools.partial(_log_failure, what))
+            raise
+
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
         """``attempt()`` until it does not raise WouldBlock, serving the wait it names
         (never blocking the loop); TimeoutError after ``timeout`` seconds (None: no limit)
@@ -522,7 +534,9 @@ class AsyncSession:
         return AsyncConsumer(consumer, self)
 
     async def unsubscribe(self, name: str) -> None:
-        await self.connection._steps(nonblocking.unsubscribe(self.sync, name))
+        await self.connection._steps_to_the_end(
+            nonblocking.unsubscribe(self.sync, name), "an unsubscribe"
+        )
 
     def create_browser(self, queue: str | Destination) -> AsyncBrowser:
         return AsyncBrowser(self.sync.create_browser(queue), self.connection)
@@ -539,17 +553,21 @@ class AsyncSession:
         self.sync.recover()  # decided and queued under the lock: never waits
 
     async def commit(self) -> None:
-        await self.connection._steps(nonblocking.commit(self.sync))
+        """Commit (as ``Session.commit``). Cancelled, the commit goes on without its caller."""
+        await self.connection._steps_to_the_end(nonblocking.commit(self.sync), "a commit")
 
     async def rollback(self) -> None:
-        await self.connection._steps(nonblocking.rollback(self.sync))
+        """Roll back (as ``Session.rollback``). Cancelled, it goes on without its caller."""
+        await self.connection._steps_to_the_end(nonblocking.rollback(self.sync), "a rollback")
 
     def transaction(self, *, retries: int = 3) -> AsyncTransactionBlock:
         """``session.transaction(retries=N)`` awaited: see AsyncTransactionBlock."""
         return AsyncTransactionBlock(self.sync.transaction(retries=retries), self.connection)
 
     async def close(self) -> None:
-        await self.connection._steps(nonblocking.close_session(self.sync))
+        await self.connection._steps_to_the_end(
+            nonblocking.close_session(self.sync), "closing a session"
+        )
 
 
 class AsyncProducer:
@@ -932,7 +950,9 @@ class AsyncTransactionAttempt:
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> bool:
-        return await self._aio._steps(nonblocking.end_attempt(self.sync, error))
+        return await self._aio._steps_to_the_end(
+            nonblocking.end_attempt(self.sync, error), "the end of a transaction attempt"
+        )
 
 
 def _close_after(steps: Steps[Any], making: asyncio.Future[Any]) -> None:
@@ -943,6 +963,12 @@ def _close_after(steps: Steps[Any], making: asyncio.Future[Any]) -> None:
         steps.close()
     except Exception:  # the caller is gone: nobody to raise to
         log.exception("hafailover.aio: cleaning up a cancelled call raised (ignored)")
+
+
+def _log_failure(what: str, task: asyncio.Task[Any]) -> None:
+    """A call whose caller was cancelled ended: nobody hears how, so a failure is logged."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("%s whose caller was cancelled failed: %s", what, error)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
