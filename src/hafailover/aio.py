@@ -604,9 +604,10 @@ class AsyncProducer:
         """Send, and return an awaitable of the message as sent once the broker has it (at
         once for what it does not confirm). The message is written before this returns
         unless the connection is failing over or the confirmation window is full; then the
-        producer's task writes it, in order, as soon as it can be (a worker thread, in a
-        transacted session). Awaited, it waits as the threaded ``result()`` does (the call
-        timeouts). Sends not awaited are confirmed together, as ``send_async`` sends are."""
+        producer's task writes it, in order, as soon as it can be (in a transacted session,
+        also once its transaction is begun). Awaited, it waits as the threaded ``result()``
+        does (the call timeouts). Sends not awaited are confirmed together, as
+        ``send_async`` sends are."""
         options = (destination, headers, persistent, priority, time_to_live)
         return PendingSend(self._submit(message, options, receipt=False), self._aio)
 
