@@ -20,15 +20,17 @@ is measured by benchmarks/aio.py).
   ``loop.call_soon_threadsafe``.
 - Calls written as steps (committing, rolling back, a transacted send, subscribing,
   unsubscribing, browsing, a temporary queue, closing a session) run here the same way.
-  The few steps that are socket I/O with no non-blocking form (an AMQP attach, declare,
-  discharge or drain, joining a listener thread), and opening and closing the connection,
+  The few steps that are socket I/O with no non-blocking form (an AMQP attach, declare or
+  drain, joining a listener thread), and opening and closing the connection,
   are made on the loop's default executor: each is one request and its answer, bounded by
   the link, never a wait for a message or for a failover (those are waits on the loop).
   No thread of its own: nothing here holds a thread while the connection fails over.
 - Cancelling a call that waits for the broker cancels the wait, never the call: a send
   whose confirmation had not come is reported in doubt (``SendCancelled`` in
   ``events()``, ``cancelled_in_doubt``), and sending the same Message object again reuses
-  its duplicate id (F13), so a broker with duplicate detection stores it once.
+  its duplicate id (F13), so a broker with duplicate detection stores it once. A
+  cancelled commit, rollback, transaction end, unsubscribe or session close goes on in a
+  task of the connection, so no session is left half-committed.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ loop (``hafailover.aio`` wakes it through the condition's watcher). Owns no stat
 connection; never writes except through ``ask_for_receipt``.
 
 A call written as steps yields a ``Wait`` for each wait for the broker, and a ``Blocking``
-for the socket I/O that has no form that does not block (an AMQP attach, declare or
-discharge, a drain): a thread makes it where it stands, hafailover.aio on the loop's
+for the socket I/O that has no form that does not block (an AMQP attach or declare, a
+drain, joining a listener thread): a thread makes it where it stands, hafailover.aio on the loop's
 default executor. A ``Blocking`` never waits for a message or for a failover: it is one
 request and its answer, bounded by the link (call_timeout) and ended by the link's loss.
 """
@@ -48,7 +48,7 @@ T = TypeVar("T")
 @attrs.frozen
 class Blocking(Generic[T]):
     """A step that makes ``call()``, blocking I/O with no non-blocking form (an AMQP
-    attach, declare or discharge, a drain): bounded by the link, never a wait for a message
+    attach or declare, a drain): bounded by the link, never a wait for a message
     or for a failover. Whoever runs the steps makes it off its event loop, if it has one,
     and sends its result back in (or throws what it raised)."""
 
