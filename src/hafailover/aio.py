@@ -18,14 +18,19 @@ is measured by benchmarks/aio.py).
   (each wait yielded) and run here the same way. The loop is woken by the one completion
   awaited, or by the driver's condition for any other change, through
   ``loop.call_soon_threadsafe``.
-- Calls that still block inside the driver or a link (subscribing, committing, rolling
-  back, a transacted send, browsing, a temporary queue, closing a session or the
-  connection) run on one of the connection's worker threads, so the loop never waits for
-  the broker, not even while the connection fails over.
+- Calls written as steps (committing, rolling back, a transacted send, subscribing,
+  unsubscribing, browsing, a temporary queue, closing a session) run here the same way.
+  The few steps that are socket I/O with no non-blocking form (an AMQP attach, declare or
+  drain, joining a listener thread), and opening and closing the connection,
+  are made on the loop's default executor: each is one request and its answer, bounded by
+  the link, never a wait for a message or for a failover (those are waits on the loop).
+  No thread of its own: nothing here holds a thread while the connection fails over.
 - Cancelling a call that waits for the broker cancels the wait, never the call: a send
   whose confirmation had not come is reported in doubt (``SendCancelled`` in
   ``events()``, ``cancelled_in_doubt``), and sending the same Message object again reuses
-  its duplicate id (F13), so a broker with duplicate detection stores it once.
+  its duplicate id (F13), so a broker with duplicate detection stores it once. A
+  cancelled commit, rollback, transaction end, unsubscribe or session close goes on in a
+  task of the connection, so no session is left half-committed.
 """
 
 from __future__ import annotations
@@ -39,8 +44,7 @@ import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 
@@ -66,7 +70,7 @@ from hafailover.driver.consumer import DEFAULT_PREFETCH
 from hafailover.driver.nonblocking import SendOptions
 from hafailover.driver.producer import sent_id
 from hafailover.driver.transactions import TransactionAttempt, TransactionBlock
-from hafailover.driver.waits import Steps, Waiter
+from hafailover.driver.waits import Blocking, Steps, Waiter
 from hafailover.errors import CallTimeoutError, ConnectionClosedError, HaFailoverError
 from hafailover.message import Message, PropertyValue
 from hafailover.protocols.base import LinkFactory
@@ -90,10 +94,6 @@ log = logging.getLogger("hafailover")
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-# Worker threads per connection: each holds one call waiting for the broker or for the end
-# of a failover, so as many calls as this may wait at once before the next queues.
-_WORKERS: Final = 32
 
 ExceptionListener = Callable[[HaFailoverError], Coroutine[Any, Any, None] | None]
 
@@ -124,18 +124,14 @@ async def connect(
     ``exception_listener`` is called on the loop, once per connection failure (F10); it may
     be a coroutine function. ``link_factory``: as for ``hafailover.connect``."""
     loop = asyncio.get_running_loop()
-    workers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="hafailover-aio")
-    try:
-        connection = await loop.run_in_executor(
-            workers,
-            functools.partial(
-                connect_threaded, url, user=user, password=password, link_factory=link_factory
-            ),
-        )
-    except BaseException:
-        workers.shutdown(wait=False)
-        raise
-    return AsyncConnection(connection, loop, workers, exception_listener)
+    # TCP/TLS connect and log in: blocking socket I/O, on the loop's default executor.
+    connection = await loop.run_in_executor(
+        None,
+        functools.partial(
+            connect_threaded, url, user=user, password=password, link_factory=link_factory
+        ),
+    )
+    return AsyncConnection(connection, loop, exception_listener)
 
 
 class AsyncConnection:
@@ -145,12 +141,10 @@ class AsyncConnection:
         self,
         connection: Connection,
         loop: asyncio.AbstractEventLoop,
-        workers: ThreadPoolExecutor,
         exception_listener: ExceptionListener | None,
     ) -> None:
         self.sync = connection  # the threaded connection underneath
         self.loop = loop
-        self._workers = workers
         self._on_exception = exception_listener
         self._streams: list[asyncio.Queue[AsyncEvent | None]] = []
         # Tasks between their first look at the driver and the end of their wait (read by
@@ -171,12 +165,6 @@ class AsyncConnection:
             connection.set_exception_listener(self._exception_from_driver)
 
     # --- the bridge ---------------------------------------------------------------------------
-
-    async def _run(self, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run a call that may wait on one of the connection's worker threads."""
-        return await self.loop.run_in_executor(
-            self._workers, functools.partial(function, *args, **kwargs)
-        )
 
     def _later(self, callback: Callable[..., object], *args: object) -> None:
         """From any thread: run ``callback`` on the loop, in order (dropped once the loop
@@ -313,22 +301,52 @@ class AsyncConnection:
 
     async def _steps(self, steps: Steps[R]) -> R:
         """Run a call written as steps on the loop: each wait it yields served by the
-        driver's waiter, a CallTimeoutError thrown back in where it was yielded."""
-        timed_out: CallTimeoutError | None = None
+        driver's waiter, a CallTimeoutError thrown back in where it was yielded; each
+        blocking call made on the loop's default executor, its result sent back in."""
+        sent: Any = None
+        raised: BaseException | None = None
+        making: asyncio.Future[Any] | None = None
         try:
             while True:
                 try:
-                    wait = steps.send(None) if timed_out is None else steps.throw(timed_out)
+                    step = steps.send(sent) if raised is None else steps.throw(raised)
                 except StopIteration as finished:
                     result: R = finished.value
                     return result
-                timed_out = None
+                sent = raised = None
+                if isinstance(step, Blocking):
+                    making = self.loop.run_in_executor(None, step.call)
+                    try:
+                        sent = await asyncio.shield(making)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the steps handle what it raised
+                        raised = exc
+                    making = None
+                    continue
                 try:
-                    await self._on_loop(wait)
+                    await self._on_loop(step)
                 except CallTimeoutError as exc:
-                    timed_out = exc
+                    raised = exc
         finally:
-            steps.close()  # cancelled: the call stops where it waited
+            if making is None:
+                steps.close()  # cancelled: the call stops where it waited
+            else:
+                # Cancelled while its thread makes a blocking call, which cannot be
+                # stopped: the steps stop once it is over, so what they undo is done.
+                making.add_done_callback(functools.partial(_close_after, steps))
+
+    async def _steps_to_the_end(self, steps: Steps[R], what: str) -> R:
+        """Run steps that change what the broker holds (a commit, a rollback, closing a
+        session) to their end: cancelling the caller cancels its wait, never the call,
+        which goes on (its failure then logged), so the driver's state stays whole."""
+        running = self._spawn(self._steps(steps))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            if not running.done():
+                running.add_done_callback(functools.partial(_log_failure, what))
+            raise
 
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
         """``attempt()`` until it does not raise WouldBlock, serving the wait it names
@@ -427,12 +445,12 @@ class AsyncConnection:
             return
         self._shut = True
         try:
-            await self._run(self.sync.close)
+            # It joins the driver's threads and waits briefly for the broker's goodbye.
+            await self.loop.run_in_executor(None, self.sync.close)
         finally:
             for stream in self._streams:
                 stream.put_nowait(None)
             self._wake_waiters()
-            self._workers.shutdown(wait=False)
 
 
 class AsyncSession:
@@ -476,15 +494,17 @@ class AsyncSession:
         max_redeliveries: int | None = None,
         dedup_file: str | None = None,
     ) -> AsyncConsumer:
-        consumer = await self.connection._run(
-            self.sync.create_consumer,
-            destination,
-            selector=selector,
-            prefetch=prefetch,
-            reliability=reliability,
-            dedup=dedup,
-            max_redeliveries=max_redeliveries,
-            dedup_file=dedup_file,
+        consumer = await self.connection._steps(
+            nonblocking.create_consumer(
+                self.sync,
+                destination,
+                selector=selector,
+                prefetch=prefetch,
+                reliability=reliability,
+                dedup=dedup,
+                max_redeliveries=max_redeliveries,
+                dedup_file=dedup_file,
+            )
         )
         return AsyncConsumer(consumer, self)
 
@@ -492,8 +512,8 @@ class AsyncSession:
         self, topic: str | Destination, name: str, **options: Any
     ) -> AsyncConsumer:
         """``Session.create_durable_consumer`` without blocking the loop (same options)."""
-        consumer = await self.connection._run(
-            functools.partial(self.sync.create_durable_consumer, topic, name, **options)
+        consumer = await self.connection._steps(
+            nonblocking.create_durable_consumer(self.sync, topic, name, **options)
         )
         return AsyncConsumer(consumer, self)
 
@@ -501,8 +521,8 @@ class AsyncSession:
         self, topic: str | Destination, name: str, **options: Any
     ) -> AsyncConsumer:
         """``Session.create_shared_consumer`` without blocking the loop (same options)."""
-        consumer = await self.connection._run(
-            functools.partial(self.sync.create_shared_consumer, topic, name, **options)
+        consumer = await self.connection._steps(
+            nonblocking.create_shared_consumer(self.sync, topic, name, **options)
         )
         return AsyncConsumer(consumer, self)
 
@@ -510,19 +530,21 @@ class AsyncSession:
         self, topic: str | Destination, name: str, **options: Any
     ) -> AsyncConsumer:
         """``Session.create_shared_durable_consumer`` without blocking the loop."""
-        consumer = await self.connection._run(
-            functools.partial(self.sync.create_shared_durable_consumer, topic, name, **options)
+        consumer = await self.connection._steps(
+            nonblocking.create_shared_durable_consumer(self.sync, topic, name, **options)
         )
         return AsyncConsumer(consumer, self)
 
     async def unsubscribe(self, name: str) -> None:
-        await self.connection._run(self.sync.unsubscribe, name)
+        await self.connection._steps_to_the_end(
+            nonblocking.unsubscribe(self.sync, name), "an unsubscribe"
+        )
 
     def create_browser(self, queue: str | Destination) -> AsyncBrowser:
         return AsyncBrowser(self.sync.create_browser(queue), self.connection)
 
     async def create_temporary_queue(self) -> Destination:
-        return await self.connection._run(self.sync.create_temporary_queue)
+        return await self.connection._steps(nonblocking.temporary_queue(self.sync))
 
     async def acknowledge(self, message: Message | None = None) -> None:
         """CLIENT modes: acknowledge ``message`` (and, in CLIENT mode, every message this
@@ -533,17 +555,21 @@ class AsyncSession:
         self.sync.recover()  # decided and queued under the lock: never waits
 
     async def commit(self) -> None:
-        await self.connection._run(self.sync.commit)
+        """Commit (as ``Session.commit``). Cancelled, the commit goes on without its caller."""
+        await self.connection._steps_to_the_end(nonblocking.commit(self.sync), "a commit")
 
     async def rollback(self) -> None:
-        await self.connection._run(self.sync.rollback)
+        """Roll back (as ``Session.rollback``). Cancelled, it goes on without its caller."""
+        await self.connection._steps_to_the_end(nonblocking.rollback(self.sync), "a rollback")
 
     def transaction(self, *, retries: int = 3) -> AsyncTransactionBlock:
         """``session.transaction(retries=N)`` awaited: see AsyncTransactionBlock."""
         return AsyncTransactionBlock(self.sync.transaction(retries=retries), self.connection)
 
     async def close(self) -> None:
-        await self.connection._run(self.sync.close)
+        await self.connection._steps_to_the_end(
+            nonblocking.close_session(self.sync), "closing a session"
+        )
 
 
 class AsyncProducer:
@@ -580,9 +606,10 @@ class AsyncProducer:
         """Send, and return an awaitable of the message as sent once the broker has it (at
         once for what it does not confirm). The message is written before this returns
         unless the connection is failing over or the confirmation window is full; then the
-        producer's task writes it, in order, as soon as it can be (a worker thread, in a
-        transacted session). Awaited, it waits as the threaded ``result()`` does (the call
-        timeouts). Sends not awaited are confirmed together, as ``send_async`` sends are."""
+        producer's task writes it, in order, as soon as it can be (in a transacted session,
+        also once its transaction is begun). Awaited, it waits as the threaded ``result()``
+        does (the call timeouts). Sends not awaited are confirmed together, as
+        ``send_async`` sends are."""
         options = (destination, headers, persistent, priority, time_to_live)
         return PendingSend(self._submit(message, options, receipt=False), self._aio)
 
@@ -640,12 +667,9 @@ class AsyncProducer:
                 message, options, receipt, written, failover_deadline = self._backlog[0]
                 try:
                     if sync.session.transacted:
-                        # Its transaction may have to be begun, which can wait for the
-                        # broker: written from a worker thread.
-                        completion = await connection._run(
-                            functools.partial(
-                                nonblocking.send, sync, message, options, receipt=receipt
-                            )
+                        # Its transaction may have to be begun first.
+                        completion = await connection._steps(
+                            nonblocking.send(sync, message, options, receipt=receipt)
                         )
                     else:
                         # Written at once while it can be: a burst waits once, not once each.
@@ -774,16 +798,27 @@ class AsyncConsumer:
         return self.sync.rejected
 
     async def _pull_one(self, timeout: float | None) -> Message | None:
-        """Zero prefetch: credit only while a receive waits, so one waits in a thread.
-        Cancelling the caller cannot stop that thread: a message it takes afterwards is
-        kept for the next receive, never dropped (in AUTO it is already acknowledged)."""
+        """Zero prefetch: credit only while a receive waits, asked for on the loop and
+        waited for there. Timed out, the credit is taken back (a drain, blocking I/O on the
+        default executor) and a message the broker sent with it is returned. Cancelled
+        while waiting, a message that comes stays buffered for the next receive; cancelled
+        while draining, one the drain brings is kept for it (in AUTO it is already
+        acknowledged), never dropped."""
         if self._unclaimed:
             return self._unclaimed.popleft()
-        pulling = asyncio.ensure_future(self._aio._run(self.sync.receive, timeout))
         try:
-            return await asyncio.shield(pulling)
+            return await self._aio._until(
+                functools.partial(nonblocking.pull_now, self.sync), timeout
+            )
+        except TimeoutError:
+            pass
+        draining = self._aio.loop.run_in_executor(
+            None, functools.partial(nonblocking.drain, self.sync)
+        )
+        try:
+            return await asyncio.shield(draining)
         except asyncio.CancelledError:
-            pulling.add_done_callback(self._keep_unclaimed)
+            draining.add_done_callback(self._keep_unclaimed)
             raise
 
     def _keep_unclaimed(self, pulled: asyncio.Future[Message | None]) -> None:
@@ -844,14 +879,18 @@ class AsyncBrowser:
         return self._messages()
 
     async def _messages(self) -> AsyncIterator[Message]:
-        iterator = iter(self.sync)
-        done = object()
-        while (message := await self._aio._run(next, iterator, done)) is not done:
-            assert isinstance(message, Message)
-            yield message
+        connection = self._aio
+        subscription = await connection._steps(nonblocking.browse_open(self.sync))
+        try:
+            while (
+                message := await connection._steps(nonblocking.browse_next(self.sync, subscription))
+            ) is not None:
+                yield message
+        finally:
+            nonblocking.browse_end(self.sync, subscription)
 
     async def messages(self) -> list[Message]:
-        return await self._aio._run(self.sync.messages)
+        return [message async for message in self]
 
     async def close(self) -> None:
         self.sync.close()  # never waits
@@ -914,7 +953,25 @@ class AsyncTransactionAttempt:
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: object
     ) -> bool:
-        return await self._aio._run(self.sync.__exit__, kind, error, trace)
+        return await self._aio._steps_to_the_end(
+            nonblocking.end_attempt(self.sync, error), "the end of a transaction attempt"
+        )
+
+
+def _close_after(steps: Steps[Any], making: asyncio.Future[Any]) -> None:
+    """The blocking call of cancelled steps is over: stop them (their cleanup runs)."""
+    if not making.cancelled():
+        making.exception()  # retrieved: what it raised is the cancelled steps' no more
+    try:
+        steps.close()
+    except Exception:  # the caller is gone: nobody to raise to
+        log.exception("hafailover.aio: cleaning up a cancelled call raised (ignored)")
+
+
+def _log_failure(what: str, task: asyncio.Task[Any]) -> None:
+    """A call whose caller was cancelled ended: nobody hears how, so a failure is logged."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("%s whose caller was cancelled failed: %s", what, error)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

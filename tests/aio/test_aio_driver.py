@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import pytest
@@ -308,19 +309,23 @@ def test_an_async_transaction_block_runs_again_after_a_failover_rolled_it_back(
     run(test)
 
 
-def test_calls_that_only_wait_take_no_worker_thread(broker: FakeBroker) -> None:
-    """Sends, receives, acknowledges, recover, flush, closing a consumer and creating a
-    session while the connection fails over all wait on the loop: with the connection's
-    worker threads shut down, any of them that needed one would raise."""
+def test_calls_that_only_wait_take_no_executor_thread(broker: FakeBroker) -> None:
+    """Sends, receives, acknowledges, recover, flush, subscribing, closing a consumer or a
+    session, creating a session while the connection fails over, and in a transacted
+    session sends, commits, rollbacks and the transaction block all wait on the loop: with
+    the loop's default executor shut down, any of them that needed a thread would raise
+    (the scripted link, like STOMP's, has no call that blocks)."""
 
     async def test() -> None:
         connection = await connected(broker)
+        refusing = ThreadPoolExecutor(max_workers=1)
+        asyncio.get_running_loop().set_default_executor(refusing)
+        refusing.shutdown()  # from here, a call on the default executor raises
         try:
             session = await connection.create_session(AckMode.CLIENT)
-            consumer = await session.create_consumer("queue://orders")  # subscribes: a worker
+            consumer = await session.create_consumer("queue://orders")
             producer = (await connection.create_session()).create_producer("queue://orders")
             connection.start()
-            connection._workers.shutdown()  # from here, a call on a worker raises
             await producer.send("1")
             first = await consumer.receive(5)
             assert first is not None and first.text == "1"
@@ -340,6 +345,18 @@ def test_calls_that_only_wait_take_no_worker_thread(broker: FakeBroker) -> None:
             assert again is not None and again.text == "2"
             await session.acknowledge()
             await consumer.close()
+            transacted = await connection.create_session(AckMode.SESSION_TRANSACTED)
+            sender = transacted.create_producer("queue://moved")
+            await sender.send("kept")
+            await transacted.commit()
+            await sender.send("dropped")
+            await transacted.rollback()
+            async for attempt in transacted.transaction(retries=0):
+                async with attempt:
+                    await sender.send("in a block")
+            assert [m.text for m in broker.stored("moved")] == ["kept", "in a block"]
+            await transacted.close()
+            await session.close()
         finally:
             connection.sync.close()
 

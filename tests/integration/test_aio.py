@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -108,3 +109,69 @@ def test_a_send_cancelled_while_the_live_is_stopped_is_in_doubt_and_stored_once(
     assert len(cancelled) == 1
     assert cancelled[0].destination == queue
     assert seqs(drain(url_for(pair, protocol), queue)) == [1]  # duplicate detection: once
+
+
+# The loop's default executor in the starvation test, and how many receives and commits wait
+# at once: three times as many, so that calls holding its threads while they wait would
+# leave none for the commits that bring what the receives wait for.
+EXECUTOR_THREADS = 2
+WAITING = 3 * EXECUTOR_THREADS
+
+
+async def free_thread(loop: asyncio.AbstractEventLoop) -> None:
+    """The default executor has a thread for a new call within a few seconds: the calls
+    waiting meanwhile hold none."""
+    await asyncio.wait_for(loop.run_in_executor(None, time.sleep, 0), 5)
+
+
+def test_more_waiting_receives_and_commits_than_executor_threads_all_finish(
+    pair: BrokerPair, protocol: str
+) -> None:
+    """No aio call holds a default-executor thread while it waits for a message or for a
+    failover: receives that wait for messages (zero-prefetch pulls on AMQP), then the live
+    SIGKILLed and as many transaction blocks started during the failover, which commit the
+    messages those receives wait for, all finish on a loop whose default executor has
+    fewer threads than calls wait. Only the blocking I/O with no other form (an AMQP attach,
+    declare) takes a thread, one request at a time: a new call finds one free while the
+    others wait."""
+    prefetch = 0 if protocol == "amqp" else 1
+    queues = [f"queue://aio-starve-{protocol}-{n}" for n in range(WAITING)]
+    url = url_for(pair, protocol)
+
+    async def test() -> list[str | None]:
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(max_workers=EXECUTOR_THREADS)
+        loop.set_default_executor(executor)
+        async with await aio.connect(url) as connection:
+            consuming = await connection.create_session()
+            consumers = [
+                await consuming.create_consumer(queue, prefetch=prefetch) for queue in queues
+            ]
+            transacted = [
+                await connection.create_session(AckMode.SESSION_TRANSACTED) for _ in queues
+            ]
+            connection.start()
+            receives = [asyncio.ensure_future(consumer.receive(30)) for consumer in consumers]
+            await asyncio.sleep(0.2)  # every receive waits (a pull's credit asked for)
+            assert not any(receive.done() for receive in receives)
+            await free_thread(loop)
+            pair.kill(pair.live)
+
+            async def move(session: aio.AsyncSession, queue: str) -> None:
+                producer = session.create_producer(queue)
+                message = Message(queue, properties={"seq": 1})  # the same id on a retry
+                async for attempt in session.transaction(retries=5):
+                    async with attempt:
+                        await producer.send(message)
+
+            moves = [
+                asyncio.ensure_future(move(session, queue))
+                for session, queue in zip(transacted, queues, strict=True)
+            ]
+            await asyncio.sleep(0.1)
+            await free_thread(loop)  # while the moves wait for the failover
+            await asyncio.wait_for(asyncio.gather(*moves), 20)
+            received = await asyncio.wait_for(asyncio.gather(*receives), 20)
+        return [None if message is None else message.text for message in received]
+
+    assert asyncio.run(test()) == queues

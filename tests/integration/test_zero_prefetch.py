@@ -123,11 +123,11 @@ def test_an_asyncio_pull_consumer_gets_what_is_sent_while_it_waits(pair: BrokerP
     assert asyncio.run(run()) == ["late"]
 
 
-def test_an_asyncio_pull_whose_caller_gave_up_keeps_what_its_thread_took(
+def test_an_asyncio_pull_whose_caller_gave_up_keeps_what_its_credit_brought(
     pair: BrokerPair,
 ) -> None:
-    """A cancelled receive (asyncio.wait_for's timeout) cannot stop the thread that waits for
-    a zero-prefetch message: what that thread takes afterwards goes to the next receive."""
+    """A cancelled receive (asyncio.wait_for's timeout) leaves its credit with the broker:
+    what the broker sends with it afterwards goes to the next receive, never lost."""
 
     async def run() -> list[str]:
         async with await aio.connect(url_for(pair, "amqp")) as connection:
@@ -135,7 +135,7 @@ def test_an_asyncio_pull_whose_caller_gave_up_keeps_what_its_thread_took(
             consumer = await session.create_consumer("queue://aio-gave-up", prefetch=0)
             connection.start()
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(consumer.receive(10), 0.3)  # its thread still waits
+                await asyncio.wait_for(consumer.receive(10), 0.3)  # its credit stays
             await session.create_producer("queue://aio-gave-up").send("taken", headers={"seq": 1})
             message = await consumer.receive(10)
             return [] if message is None else [message.text]

@@ -21,7 +21,15 @@ from hafailover.core.inflight import CallKind, SessionsCore
 from hafailover.core.waits import CallBudget, Wait
 from hafailover.destination import Destination
 from hafailover.driver.completions import Callback, SendCompletion, Waiting
-from hafailover.driver.waits import Steps, Waiter, WouldBlock, budget_of
+from hafailover.driver.waits import (
+    Steps,
+    Waiter,
+    WouldBlock,
+    attempts,
+    blocking,
+    budget_of,
+    run_steps,
+)
 from hafailover.errors import (
     AcknowledgeFailedError,
     CallTimeoutError,
@@ -353,14 +361,26 @@ class Calls:
             ),
         )
 
+    def _admit_locked(self, deadline: float | None) -> Link:
+        """The link to use, or WouldBlock (nothing done) while failing over (F1)."""
+        with self._cond:
+            return self._admit(deadline, block=False)
+
     def _subscribe(self, consumer: Consumer) -> None:
         """Start a consumer's subscription, waiting through failover (F1)."""
+        run_steps(self, self._subscribe_steps(consumer))
+
+    def _subscribe_steps(self, consumer: Consumer) -> Steps[None]:
+        """``_subscribe`` as steps: a link whose calls block subscribes with the lock let go."""
         deadline = self._failover_deadline()
         while True:
-            with self._cond:
-                link = self._admit(deadline)
+            link = yield from attempts(functools.partial(self._admit_locked, deadline))
             try:
-                consumer._subscribe_on(link)
+                token = consumer._subscribe_decided(link)
+                if token is not None:
+                    yield from blocking(
+                        functools.partial(consumer._write_subscription, link, token)
+                    )
             except HaFailoverError as exc:
                 if isinstance(exc, NotConnectedError | UnblockedError):
                     self._io_failed(link, exc)

@@ -117,18 +117,26 @@ class Consumer:
 
         Called without the connection's lock: decided under it, and written under it too
         unless the link's calls wait for the broker."""
+        token = self._subscribe_decided(link)
+        if token is not None:
+            self._write_subscription(link, token)
+
+    def _subscribe_decided(self, link: Link) -> int | None:
+        """Under the lock, ``_subscribe_on`` up to the write: the token to write the
+        subscription with once the lock is let go (a link whose calls block), else None
+        (written already, or subscribed on this link before)."""
         connection = self.session.connection
         with connection._cond:
             if self._on_link == link.serial:
-                return
+                return None
             self._on_link = link.serial
             completion = SendCompletion(connection, None)
             token = connection._call(CallKind.SUBSCRIBE, completion, self.session, consumer=self)
             self._subscribed = completion
             if not link.calls_block:
                 self._write_subscription(link, token)
-                return
-        self._write_subscription(link, token)
+                return None
+        return token
 
     def _write_subscription(self, link: Link, token: int) -> None:
         connection = self.session.connection
@@ -466,6 +474,29 @@ class Consumer:
                 if session._ack_blocking() is not None:
                     return None  # ended while we looked: the next call confirms it
                 message = self._next()
+        if message is not None:
+            self._hand_out(message, started)
+        return message
+
+    def _pull_now(self) -> Message:
+        """Zero prefetch, for a caller that must not block: the next message, or WouldBlock
+        having asked the broker for one on the current link (one credit while the receive
+        waits, core/pull.py); the caller asks again once the driver changed something."""
+        message = self._receive_now()
+        if message is not None:
+            return message
+        with self.session.connection._cond:
+            if not self._buffer:
+                self._pull()
+        raise WouldBlock
+
+    def _drain_now(self) -> Message | None:
+        """Zero prefetch: the receive timed out; take the pull's credit back (blocking: the
+        broker's answer) and return the message the broker sent with it, if one came."""
+        started = tracing.started()
+        with self.session.connection._cond:
+            link = self.session.connection._admitted_link()
+        message = self._drain(link)
         if message is not None:
             self._hand_out(message, started)
         return message

@@ -1,6 +1,9 @@
 """The driver's seam for a caller that must never block (``hafailover.aio``): each call
 here either finishes now or raises WouldBlock with the wait it needs, as a value
-(hafailover.core.waits), for the caller to serve with the one ``Waiter``.
+(hafailover.core.waits), for the caller to serve with the one ``Waiter``; or it is written
+as steps (``driver/waits.py``): each wait for the broker yielded as a ``Wait``, each
+blocking socket call that has no other form (an AMQP attach or declare, a drain,
+joining a listener thread) as a ``Blocking`` for the caller to make off its loop.
 
 The only way in to the driver's state for such a caller: hafailover.aio reads no private
 member of the driver (tests/aio/test_no_driver_privates.py), so what it needs is named
@@ -11,15 +14,19 @@ decided here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from hafailover.ack_modes import AckMode
+from hafailover.core.subscriptions import SubscriptionKind
 from hafailover.core.waits import Wait
 from hafailover.destination import Destination
+from hafailover.driver.browser import Browser
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.connection import Connection
-from hafailover.driver.consumer import Consumer
+from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer
 from hafailover.driver.producer import Producer
 from hafailover.driver.session import Session
+from hafailover.driver.transactions import TransactionAttempt
 from hafailover.driver.waits import Steps, budget_of
 from hafailover.message import Message, PropertyValue
 
@@ -27,13 +34,28 @@ __all__ = [
     "SendOptions",
     "acknowledge",
     "ask_for_receipt",
+    "browse_end",
+    "browse_next",
+    "browse_open",
+    "close_session",
+    "commit",
     "completion_wait",
+    "create_consumer",
+    "create_durable_consumer",
     "create_session",
+    "create_shared_consumer",
+    "create_shared_durable_consumer",
+    "drain",
+    "end_attempt",
     "failover_deadline",
     "flush_wait",
+    "pull_now",
     "receive_now",
+    "rollback",
     "send",
     "send_now",
+    "temporary_queue",
+    "unsubscribe",
     "watch",
 ]
 
@@ -89,9 +111,10 @@ def send_now(
 
 def send(
     producer: Producer, message: Message | bytes | str, options: SendOptions, *, receipt: bool
-) -> SendCompletion:
-    """Write a send, waiting for admission, room and its transaction to begin (blocks)."""
-    return producer._send(message, *options, receipt=receipt)
+) -> Steps[SendCompletion]:
+    """Write a send as steps: it waits for admission and room, and begins its transaction
+    first in a transacted session."""
+    return producer._send_steps(message, *options, receipt=receipt)
 
 
 def flush_wait(producer: Producer, timeout: float | None = None) -> Wait[SendCompletion] | None:
@@ -130,3 +153,123 @@ def acknowledge(session: Session, message: Message | None) -> Steps[None]:
     with connection._cond:
         owner = None if delivery is None else connection._sessions.get(delivery.session_id)
     return (owner or session)._acknowledge_message_steps(message)
+
+
+# --- transactions -------------------------------------------------------------------------
+
+
+def commit(session: Session) -> Steps[None]:
+    """``session.commit()`` as steps."""
+    return session._commit_steps()
+
+
+def rollback(session: Session) -> Steps[None]:
+    """``session.rollback()`` as steps."""
+    return session._rollback_steps()
+
+
+def end_attempt(attempt: TransactionAttempt, error: BaseException | None) -> Steps[bool]:
+    """The end of a transaction block's attempt (``attempt.__exit__``) as steps: commit,
+    or roll back when the block raised ``error``; whether to swallow ``error``."""
+    return attempt._exit_steps(error)
+
+
+# --- consumers ----------------------------------------------------------------------------
+
+
+def pull_now(consumer: Consumer) -> Message:
+    """Zero prefetch: the next message, or WouldBlock having asked the broker for one."""
+    return consumer._pull_now()
+
+
+def drain(consumer: Consumer) -> Message | None:
+    """Zero prefetch, a receive timed out: take the request back (blocking: a round trip
+    to the broker); the message the broker sent meanwhile, if any."""
+    return consumer._drain_now()
+
+
+def create_consumer(
+    session: Session, destination: str | Destination, **options: Any
+) -> Steps[Consumer]:
+    """``session.create_consumer`` as steps (the same options)."""
+    return session._consumer_steps(destination, **options)
+
+
+def create_durable_consumer(
+    session: Session, topic: str | Destination, name: str, **options: Any
+) -> Steps[Consumer]:
+    """``session.create_durable_consumer`` as steps (the same options)."""
+    return _named(session, SubscriptionKind.DURABLE, topic, name, options)
+
+
+def create_shared_consumer(
+    session: Session, topic: str | Destination, name: str, **options: Any
+) -> Steps[Consumer]:
+    """``session.create_shared_consumer`` as steps (the same options)."""
+    return _named(session, SubscriptionKind.SHARED, topic, name, options)
+
+
+def create_shared_durable_consumer(
+    session: Session, topic: str | Destination, name: str, **options: Any
+) -> Steps[Consumer]:
+    """``session.create_shared_durable_consumer`` as steps (the same options)."""
+    return _named(session, SubscriptionKind.SHARED_DURABLE, topic, name, options)
+
+
+def _named(
+    session: Session,
+    kind: SubscriptionKind,
+    topic: str | Destination,
+    name: str,
+    options: dict[str, Any],
+) -> Steps[Consumer]:
+    allowed = {"prefetch", "dedup", "max_redeliveries"}
+    if kind is SubscriptionKind.DURABLE:
+        allowed.add("selector")  # JMS: a shared subscription has no selector of its own
+    unknown = set(options) - allowed
+    if unknown:
+        raise TypeError(f"a {kind.value} consumer takes no option {', '.join(sorted(unknown))}")
+    return session._named_consumer(
+        kind,
+        topic,
+        name,
+        options.get("selector"),
+        options.get("prefetch", DEFAULT_PREFETCH),
+        options.get("dedup"),
+        options.get("max_redeliveries"),
+    )
+
+
+def unsubscribe(session: Session, name: str) -> Steps[None]:
+    """``session.unsubscribe(name)`` as steps."""
+    return session._unsubscribe_steps(name)
+
+
+def temporary_queue(session: Session) -> Steps[Destination]:
+    """``session.create_temporary_queue()`` as steps."""
+    return session._temporary_queue_steps()
+
+
+def close_session(session: Session) -> Steps[None]:
+    """``session.close()`` as steps."""
+    return session._close_steps()
+
+
+# --- browsers -----------------------------------------------------------------------------
+
+
+def browse_open(browser: Browser) -> Steps[str]:
+    """Start a snapshot of the browser's queue; its subscription, for ``browse_next`` and
+    ``browse_end``."""
+    return browser._open_steps()
+
+
+def browse_next(browser: Browser, subscription: str) -> Steps[Message | None]:
+    """The snapshot's next message (None at its end) as steps; BrowserInvalidatedError
+    once a failover cut it (F11)."""
+    return browser._next_steps(subscription)
+
+
+def browse_end(browser: Browser, subscription: str) -> None:
+    """The snapshot is done with (never waits)."""
+    browser._end(subscription)

@@ -19,7 +19,9 @@ from hafailover.destination import Destination, parse_destination
 from hafailover.driver import tracing
 from hafailover.driver.calls import WouldBlock
 from hafailover.driver.completions import SendCompletion
+from hafailover.driver.waits import Steps
 from hafailover.errors import (
+    CallTimeoutError,
     ConfigurationError,
     HaFailoverError,
     IllegalStateError,
@@ -142,11 +144,10 @@ class Producer:
         transacted = session.transacted
         confirm = self.confirm and msg.persistent and not transacted
         completion = SendCompletion(connection, msg)
-        if transacted and not block:
-            raise WouldBlock
         while True:
-            # Begun outside the lock: on some links it waits for the broker.
-            tx = session._ensure_tx() if transacted else None
+            # Begun outside the lock: on some links it waits for the broker. A caller that
+            # must not block has begun it already (``_send_steps``).
+            tx = session._ensure_tx() if transacted and block else None
             with connection._cond:
                 deadline = failover_deadline if not block else connection._failover_deadline()
                 link = connection._wait_window_room(size, deadline, block=block)
@@ -158,7 +159,11 @@ class Producer:
                         transaction.work()
                         completion._finish(None)
                         return completion
-                    if session._tx_link != link.serial:
+                    if not block:
+                        tx = session._tx
+                        if tx is None or session._tx_link != link.serial:
+                            raise WouldBlock  # its transaction is to begin (again) first
+                    elif session._tx_link != link.serial:
                         # A failover replaced the link after this send's transaction was
                         # begun, before any of its work was written (else it would be
                         # rollback-only): begin it again on the new link and send there.
@@ -218,6 +223,47 @@ class Producer:
                 if not confirm:
                     completion._finish(None)
                 return completion
+
+    def _send_steps(
+        self,
+        message: Message | bytes | str,
+        destination: str | Destination | None,
+        headers: Mapping[str, PropertyValue] | None,
+        persistent: bool | None,
+        priority: int | None,
+        time_to_live: float | None,
+        *,
+        receipt: bool,
+    ) -> Steps[SendCompletion]:
+        """``send_async`` as steps: it waits out a failover (F1) and for room in the
+        confirmation window, and begins its transaction first in a transacted session."""
+        session = self.session
+        deadline = session.connection._failover_deadline()
+        while True:
+            if session.transacted:
+                yield from session._ensure_tx_steps()
+            try:
+                return self._send(
+                    message,
+                    destination,
+                    headers,
+                    persistent,
+                    priority,
+                    time_to_live,
+                    receipt=receipt,
+                    block=False,
+                    failover_deadline=deadline,
+                )
+            except WouldBlock as blocked:
+                wait, timed_out = blocked.wait, blocked.timed_out
+            if wait is None:
+                continue  # a failover replaced the transaction's link: begin it again
+            try:
+                yield wait
+            except CallTimeoutError as exc:
+                if timed_out is None:
+                    raise
+                timed_out(exc)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every send_async of this producer has completed."""

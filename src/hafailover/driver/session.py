@@ -48,7 +48,7 @@ from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer, stable_id
 from hafailover.driver.dedup_file import DedupFile
 from hafailover.driver.producer import Producer
 from hafailover.driver.transactions import Transactions
-from hafailover.driver.waits import Steps, attempts, run_steps
+from hafailover.driver.waits import Steps, attempts, blocking, run_steps
 from hafailover.errors import (
     AcknowledgeFailedError,
     CallTimeoutError,
@@ -153,6 +153,35 @@ class Session(Transactions):
         (None: the URL's ``consumer_dedup_file``), one per consumer. ``max_redeliveries``:
         failed deliveries after which a message is rejected to the dead-letter address (-1
         no limit; None: the URL's)."""
+        return run_steps(
+            self.connection,
+            self._consumer_steps(
+                destination,
+                selector=selector,
+                prefetch=prefetch,
+                reliability=reliability,
+                dedup=dedup,
+                dedup_file=dedup_file,
+                max_redeliveries=max_redeliveries,
+                named=_named,
+            ),
+        )
+
+    def _consumer_steps(
+        self,
+        destination: str | Destination,
+        *,
+        selector: str | None = None,
+        prefetch: int = DEFAULT_PREFETCH,
+        reliability: LinkReliability | None = None,
+        dedup: int | None = None,
+        dedup_file: str | None = None,
+        max_redeliveries: int | None = None,
+        named: NamedSubscription | None = None,
+    ) -> Steps[Consumer]:
+        """``create_consumer`` as steps: it waits out a failover (F1), then for the broker
+        to have the subscription."""
+        _named = named
         self._check_open()
         if max_redeliveries is None:
             max_redeliveries = self.connection.policy.max_redeliveries
@@ -208,12 +237,20 @@ class Session(Transactions):
             if journal is not None:
                 journal.close()  # its lock would hold the file for the rest of the process
             raise
-        connection._subscribe(consumer)
+        try:
+            yield from connection._subscribe_steps(consumer)
+        except HaFailoverError:
+            raise  # taken back there
+        except BaseException:
+            # Cancelled (hafailover.aio): nobody gets this consumer.
+            with contextlib.suppress(HaFailoverError):
+                consumer.close()
+            raise
         while True:
             completion = consumer._subscribed
             assert completion is not None
             try:
-                completion.result()
+                yield from connection._completion_steps(completion)
             except UnblockedError:
                 # A failover caught the subscription; the recreation subscribed it again.
                 with connection._cond:
@@ -241,8 +278,11 @@ class Session(Transactions):
         """A consumer of the durable subscription ``name`` to ``topic``: the broker keeps
         what is published while no consumer is attached, and a failover resumes it (F5).
         Needs the URL's ``client_id``; one active consumer at a time (JMS)."""
-        return self._named_consumer(
-            SubscriptionKind.DURABLE, topic, name, selector, prefetch, dedup, max_redeliveries
+        return run_steps(
+            self.connection,
+            self._named_consumer(
+                SubscriptionKind.DURABLE, topic, name, selector, prefetch, dedup, max_redeliveries
+            ),
         )
 
     def create_shared_consumer(
@@ -256,8 +296,11 @@ class Session(Transactions):
     ) -> Consumer:
         """A consumer of the shared subscription ``name`` to ``topic``: its consumers, on
         this connection or others, share its messages; it ends with its last consumer."""
-        return self._named_consumer(
-            SubscriptionKind.SHARED, topic, name, None, prefetch, dedup, max_redeliveries
+        return run_steps(
+            self.connection,
+            self._named_consumer(
+                SubscriptionKind.SHARED, topic, name, None, prefetch, dedup, max_redeliveries
+            ),
         )
 
     def create_shared_durable_consumer(
@@ -271,8 +314,17 @@ class Session(Transactions):
     ) -> Consumer:
         """A consumer of the shared durable subscription ``name`` to ``topic``: shared by
         its consumers and kept by the broker while it has none."""
-        return self._named_consumer(
-            SubscriptionKind.SHARED_DURABLE, topic, name, None, prefetch, dedup, max_redeliveries
+        return run_steps(
+            self.connection,
+            self._named_consumer(
+                SubscriptionKind.SHARED_DURABLE,
+                topic,
+                name,
+                None,
+                prefetch,
+                dedup,
+                max_redeliveries,
+            ),
         )
 
     def _named_consumer(
@@ -284,16 +336,19 @@ class Session(Transactions):
         prefetch: int,
         dedup: int | None,
         max_redeliveries: int | None,
-    ) -> Consumer:
+    ) -> Steps[Consumer]:
+        """A consumer of a durable or shared subscription, as steps."""
         target = parse_destination(topic)
         named = named_subscription(kind, target, name, self.connection.policy.client_id)
-        return self.create_consumer(
-            target,
-            selector=selector,
-            prefetch=prefetch,
-            dedup=dedup,
-            max_redeliveries=max_redeliveries,
-            _named=named,
+        return (
+            yield from self._consumer_steps(
+                target,
+                selector=selector,
+                prefetch=prefetch,
+                dedup=dedup,
+                max_redeliveries=max_redeliveries,
+                named=named,
+            )
         )
 
     def _named_open(self) -> list[tuple[NamedSubscription, Destination, str | None]]:
@@ -332,11 +387,37 @@ class Session(Transactions):
     def unsubscribe(self, name: str) -> None:
         """Delete the durable subscription ``name`` (shared or not) and what it holds; JMS
         forbids it while this connection has a consumer on it."""
+        run_steps(self.connection, self._unsubscribe_steps(name))
+
+    def _unsubscribe_steps(self, name: str) -> Steps[None]:
+        """``unsubscribe`` as steps: it waits out a failover (F1), then for the broker."""
         self._check_open()
+        connection = self.connection
+        link, token, completion, broker_name = yield from attempts(
+            functools.partial(self._unsubscribe_written, name, connection._failover_deadline())
+        )
+        if link.calls_block:
+            try:
+                yield from blocking(
+                    functools.partial(link.remove_subscription, broker_name, token=token)
+                )
+            except HaFailoverError as exc:
+                with connection._cond:
+                    if not isinstance(exc, NotConnectedError | UnblockedError):
+                        connection._abandon(token, exc)
+                raise
+        yield from connection._completion_steps(completion)
+
+    def _unsubscribe_written(
+        self, name: str, deadline: float | None
+    ) -> tuple[Link, int, SendCompletion, str]:
+        """Under the lock, once the connection admits calls (WouldBlock, nothing done,
+        while it fails over): register the unsubscribe and write it unless the link's
+        calls block. The link, its token, completion and the broker's name for it."""
         connection = self.connection
         with connection._cond:
             check_can_unsubscribe(name, (named for named, _, _ in self._named_open()))
-            link = connection._admit(connection._failover_deadline())
+            link = connection._admit(deadline, block=False)
             completion = SendCompletion(connection, None)
             token = connection._call(
                 CallKind.SUBSCRIBE, completion, self, subscription=f"unsubscribe:{name}"
@@ -346,15 +427,7 @@ class Session(Transactions):
                 command_id = connection._window.next_id if link.windowed else -1
                 link.remove_subscription(broker_name, token=token)
                 connection._written(token, link, command_id, asked=True)
-        if link.calls_block:
-            try:
-                link.remove_subscription(broker_name, token=token)
-            except HaFailoverError as exc:
-                with connection._cond:
-                    if not isinstance(exc, NotConnectedError | UnblockedError):
-                        connection._abandon(token, exc)
-                raise
-        completion.result()
+        return link, token, completion, broker_name
 
     def create_browser(self, queue: str | Destination) -> Browser:
         """Iterate over the messages waiting on a queue without consuming them (F11)."""
@@ -366,11 +439,19 @@ class Session(Transactions):
 
     def create_temporary_queue(self) -> Destination:
         """A queue that lives as long as the connection; recreated by name after failover."""
+        return run_steps(self.connection, self._temporary_queue_steps())
+
+    def _temporary_queue_steps(self) -> Steps[Destination]:
+        """``create_temporary_queue`` as steps: it waits out a failover (F1)."""
         self._check_open()
         connection = self.connection
-        with connection._cond:
-            link = connection._admit(connection._failover_deadline())
-        destination = link.temporary_queue(None)
+        link = yield from attempts(
+            functools.partial(connection._admit_locked, connection._failover_deadline())
+        )
+        if link.calls_block:
+            destination = yield from blocking(functools.partial(link.temporary_queue, None))
+        else:
+            destination = link.temporary_queue(None)
         with connection._cond:
             self._temporary.append(destination)
         return destination
@@ -755,6 +836,11 @@ class Session(Transactions):
 
     def close(self) -> None:
         """Close the session: its consumers stop, an open transaction rolls back."""
+        run_steps(self.connection, self._close_steps())
+
+    def _close_steps(self) -> Steps[None]:
+        """``close`` as steps: the rollback waits for the broker; the end joins the
+        listener thread, if the session has one."""
         connection = self.connection
         with connection._cond:
             if self._closed:
@@ -762,7 +848,7 @@ class Session(Transactions):
             transacted_work = self.rules.transaction is not None and self._tx is not None
         if transacted_work and not connection._closing:
             with contextlib.suppress(HaFailoverError):
-                self.rollback()
+                yield from self._rollback_steps()
         for consumer in list(self._consumers.values()):
             with contextlib.suppress(HaFailoverError):
                 consumer.close()
@@ -771,4 +857,5 @@ class Session(Transactions):
             connection._sessions.pop(self.session_id, None)
             connection._core.close_session(self.session_id)
             connection._cond.notify_all()
-        self._join()
+        if self._dispatcher is not None:
+            yield from blocking(self._join)

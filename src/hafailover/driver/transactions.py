@@ -5,6 +5,10 @@ What a commit caught by a failover raises is decided by the transaction state
 (``tx/state.py``), which the sessions core tells what the failover showed; this module
 writes the commit or rollback, waits for the broker and says what happened. A mixin of
 ``Session``.
+
+Each call that waits is written as steps (``driver/waits.py``): ``commit()`` and
+``rollback()`` run them on the calling thread, hafailover.aio on its event loop, so both
+wait the same way (call_timeout, call_failover_timeout).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from hafailover.ack_modes import AckMode, AckRules
 from hafailover.core.inflight import CallKind
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.consumer import Consumer
+from hafailover.driver.waits import Steps, attempts, blocking, run_steps
 from hafailover.errors import (
     CallTimeoutError,
     ConfigurationError,
@@ -33,6 +38,7 @@ from hafailover.tx.state import CommitAction, TransactionState, TxPhase
 
 if TYPE_CHECKING:
     from hafailover.driver.connection import Connection
+    from hafailover.protocols.base import Link
 
 __all__ = ["TransactionAttempt", "TransactionBlock", "Transactions"]
 
@@ -78,6 +84,10 @@ class Transactions:
 
         Every way it can end without the broker's yes is the transaction state's decision
         (``tx/state.py``); this writes the commit, waits and carries the decision out."""
+        run_steps(self.connection, self._commit_steps())
+
+    def _commit_steps(self) -> Steps[None]:
+        """``commit()`` as steps."""
         self._check_open()
         transaction = self._transaction("commit")
         rules = self.rules
@@ -100,7 +110,7 @@ class Transactions:
                 moved = handle is not None and self._tx_link != self._commit_link
         if decision.action is CommitAction.ROLL_BACK_AND_RAISE:
             given_back = received if decision.give_back else ()
-            self._end_on_broker(handle, commit=False, received=given_back, quiet=True)
+            yield from self._end_on_broker(handle, commit=False, received=given_back, quiet=True)
             raise decision.error()
         with connection._cond:
             caught = transaction.phase is not TxPhase.COMMITTING
@@ -111,13 +121,13 @@ class Transactions:
         if caught or moved:
             # A failover applied since the decision caught the commit (it decided), or the
             # transaction's link is gone: never report a commit that did not happen.
-            self._end_interrupted_commit(None, received)
+            yield from self._end_interrupted_commit(None, received)
         try:
             if handle is None:
                 # Only received so far: the acknowledges go in a transaction of their own.
-                handle = self._ensure_tx()
-            self._settle_transfers()
-            self._end_on_broker(handle, commit=True, received=received, quiet=False)
+                handle = yield from self._ensure_tx_steps()
+            yield from self._settle_transfers()
+            yield from self._end_on_broker(handle, commit=True, received=received, quiet=False)
         except (
             UnblockedError,
             TransactionOutcomeUnknownError,
@@ -126,7 +136,7 @@ class Transactions:
         ) as exc:
             # No answer came: the connection was lost (failed over or not, yet or for good)
             # or the call timed out.
-            self._end_interrupted_commit(exc, received)
+            yield from self._end_interrupted_commit(exc, received)
         except TransactionRolledBackError:
             raise  # a refused send of the transaction: rolled back already
         except RemoteError as exc:
@@ -143,7 +153,7 @@ class Transactions:
 
     def _end_interrupted_commit(
         self, exc: BaseException | None, received: tuple[str, ...]
-    ) -> NoReturn:
+    ) -> Steps[NoReturn]:
         """End a commit that got no answer and raise what the transaction state says may
         have happened, rolling it back on the broker when the state says the broker still
         holds it (a commit never written on a link that lives on)."""
@@ -158,18 +168,22 @@ class Transactions:
                 # reattach resent under the old ids is stale: never hand it out.
                 self._drop_buffered(received)
         if undo:
-            self._end_on_broker(handle, commit=False, received=received, quiet=True)
+            yield from self._end_on_broker(handle, commit=False, received=received, quiet=True)
         raise fate.error(exc) from None
 
     def rollback(self) -> None:
         """Roll the transaction back; always succeeds and cleans the session (F9)."""
+        run_steps(self.connection, self._rollback_steps())
+
+    def _rollback_steps(self) -> Steps[None]:
+        """``rollback()`` as steps."""
         self._check_open()
         transaction = self._transaction("rollback")
         connection = self.connection
         with connection._cond:
             decision = transaction.rollback()
             handle, received = self._end_transaction_locked(on_broker=decision.rollback_on_broker)
-        self._end_on_broker(handle, commit=False, received=received, quiet=True)
+        yield from self._end_on_broker(handle, commit=False, received=received, quiet=True)
 
     def _end_transaction_locked(self, *, on_broker: bool) -> tuple[object, tuple[str, ...]]:
         """Under the lock, for a rollback: forget the transaction's work and prefetched
@@ -184,13 +198,13 @@ class Transactions:
             consumer._drop_buffer(give_back=True)
         return handle, received
 
-    def _settle_transfers(self) -> None:
+    def _settle_transfers(self) -> Steps[None]:
         """AMQP: every transfer of the transaction settled by the broker before the
         discharge; a refused one fails the commit (the transaction state decides)."""
         sends, self._tx_sends = self._tx_sends, []
         for completion in sends:
             try:
-                completion.result()
+                yield from self.connection._completion_steps(completion)
             except UnblockedError:
                 raise
             except RemoteError as exc:
@@ -200,7 +214,7 @@ class Transactions:
                     handle, received = self._end_transaction_locked(
                         on_broker=decision.rollback_on_broker
                     )
-                self._end_on_broker(handle, commit=False, received=received, quiet=True)
+                yield from self._end_on_broker(handle, commit=False, received=received, quiet=True)
                 raise decision.error() from exc
 
     def _take_tx(self, on_broker: bool) -> object:
@@ -211,7 +225,7 @@ class Transactions:
 
     def _end_on_broker(
         self, handle: object, *, commit: bool, received: tuple[str, ...], quiet: bool
-    ) -> None:
+    ) -> Steps[None]:
         """Acknowledge what was received inside the transaction, then commit or roll back."""
         connection = self.connection
         if handle is None:
@@ -220,53 +234,27 @@ class Transactions:
                     self._give_back(received)
             return
         completion = SendCompletion(connection, None)
-        with connection._cond:
-            link = connection._admit(connection._failover_deadline())
-            if self._tx_link != link.serial or (commit and link.serial != self._commit_link):
-                # The transaction died with its link while this call waited for the
-                # failover: a commit learns its fate from the transaction rules (F3, F9).
-                if commit:
-                    raise UnblockedError("the transaction's connection failed over")
-                self._give_back(received)
-                return
-            settled: list[SendCompletion] = []
-            if commit:
-                for tag in received:
-                    ack_token = None
-                    if link.settles_transacted_work:
-                        # The discharge must not overtake these dispositions.
-                        ack = SendCompletion(connection, None)
-                        ack_token = connection._call(CallKind.ACK, ack, self)
-                        settled.append(ack)
-                    link.acknowledge(
-                        self._tag_subscriptions.get(tag, ""), tag, tx=handle, token=ack_token
-                    )
-                    connection._written(ack_token, link, -1, asked=True)
-            token = connection._call(CallKind.END, completion, self, commit=commit)
-            blocking = link.calls_block
-            if not blocking:
-                command_id = connection._window.next_id if link.windowed else -1
-                try:
-                    link.end(handle, commit=commit, token=token)
-                except HaFailoverError as exc:
-                    # Never written: the failover's rules decide (a commit not written is
-                    # rolled back, F3).
-                    connection._io_failed(link, exc)
-                else:
-                    connection._written(token, link, command_id, asked=True)
-                    if commit:
-                        self._transaction("commit").commit_written()
+        written = yield from attempts(
+            functools.partial(
+                self._acknowledges_written,
+                handle,
+                completion,
+                commit=commit,
+                received=received,
+                deadline=connection._failover_deadline(),
+            )
+        )
+        if written is None:
+            return
+        link, settled = written
         try:
-            if blocking:
+            if settled:
+                # The discharge must not overtake these dispositions: written once settled.
                 for ack in settled:
-                    ack.result()
-                if commit:
-                    with connection._cond:
-                        self._transaction("commit").commit_written()
-                link.end(handle, commit=commit, token=token)
-                with connection._cond:
-                    connection._written(token, link, -1, asked=True)
-            completion.result()
+                    yield from connection._completion_steps(ack)
+                if not self._end_written(link, handle, completion, commit=commit):
+                    return
+            yield from connection._completion_steps(completion)
         except HaFailoverError:
             if quiet:
                 return
@@ -279,6 +267,73 @@ class Transactions:
                     for tag in received:
                         self._tag_subscriptions.pop(tag, None)
 
+    def _acknowledges_written(
+        self,
+        handle: object,
+        completion: SendCompletion,
+        *,
+        commit: bool,
+        received: tuple[str, ...],
+        deadline: float | None,
+    ) -> tuple[Link, list[SendCompletion]] | None:
+        """Under the lock, once the connection admits calls (WouldBlock, nothing done,
+        while it fails over): write the acknowledges of ``received`` and, unless the broker
+        must settle them first, the commit or rollback itself. The link and the
+        acknowledges to see settled before the commit is written; None when there is
+        nothing left to end."""
+        connection = self.connection
+        with connection._cond:
+            link = connection._admit(deadline, block=False)
+            if self._tx_link != link.serial or (commit and link.serial != self._commit_link):
+                # The transaction died with its link while this call waited for the
+                # failover: a commit learns its fate from the transaction rules (F3, F9).
+                if commit:
+                    raise UnblockedError("the transaction's connection failed over")
+                self._give_back(received)
+                return None
+            settled: list[SendCompletion] = []
+            if commit:
+                for tag in received:
+                    ack_token = None
+                    if link.settles_transacted_work:
+                        ack = SendCompletion(connection, None)
+                        ack_token = connection._call(CallKind.ACK, ack, self)
+                        settled.append(ack)
+                    link.acknowledge(
+                        self._tag_subscriptions.get(tag, ""), tag, tx=handle, token=ack_token
+                    )
+                    connection._written(ack_token, link, -1, asked=True)
+            if not settled:
+                self._end_written(link, handle, completion, commit=commit)
+            return link, settled
+
+    def _end_written(
+        self, link: Link, handle: object, completion: SendCompletion, *, commit: bool
+    ) -> bool:
+        """Register and write the commit or rollback on ``link`` (never waits); False when
+        ``link`` is no longer the connection's (a rollback is then the failover's)."""
+        connection = self.connection
+        with connection._cond:
+            if connection._admitted_link() is not link:
+                # Lost while its acknowledges settled: a commit learns its fate from the
+                # transaction rules (F3, F9); a rollback happened with the link.
+                if commit:
+                    raise UnblockedError("the transaction's connection failed over")
+                return False
+            token = connection._call(CallKind.END, completion, self, commit=commit)
+            command_id = connection._window.next_id if link.windowed else -1
+            try:
+                link.end(handle, commit=commit, token=token)
+            except HaFailoverError as exc:
+                # Never written: the failover's rules decide (a commit not written is
+                # rolled back, F3).
+                connection._io_failed(link, exc)
+            else:
+                connection._written(token, link, command_id, asked=True)
+                if commit:
+                    self._transaction("commit").commit_written()
+            return True
+
     def _transaction(self, what: str) -> TransactionState:
         transaction = self.rules.transaction
         if transaction is None:
@@ -289,24 +344,22 @@ class Transactions:
 
     def _ensure_tx(self) -> object:
         """The broker transaction for the current work, begun on first use."""
+        return run_steps(self.connection, self._ensure_tx_steps())
+
+    def _ensure_tx_steps(self) -> Steps[object]:
+        """``_ensure_tx()`` as steps: it waits out a failover (F1), and a link whose calls
+        block begins it with the lock let go."""
         connection = self.connection
         deadline = connection._failover_deadline()
         while True:
-            with connection._cond:
-                link = connection._admit(deadline)
-                if self._tx is not None and self._tx_link == link.serial:
-                    return self._tx
-                if not link.calls_block:
-                    try:
-                        self._tx = link.begin()
-                    except (NotConnectedError, UnblockedError) as exc:
-                        connection._io_failed(link, exc)
-                        continue  # F1: wait for the failover; its rules decide the work's fate
-                    self._tx_link = link.serial
-                    self._transaction("begin").begun_on_broker()
-                    return self._tx
+            link, handle = yield from attempts(functools.partial(self._tx_now, deadline))
+            if handle is not None:
+                return handle
+            if link is None:
+                continue  # F1: wait for the failover; its rules decide the work's fate
             try:
-                handle = link.begin()  # AMQP declare waits for the broker: outside the lock
+                # AMQP declare waits for the broker: outside the lock
+                handle = yield from blocking(link.begin)
             except (NotConnectedError, UnblockedError) as exc:
                 connection._io_failed(link, exc)
                 continue
@@ -316,6 +369,27 @@ class Transactions:
                     self._tx_link = link.serial
                     self._transaction("begin").begun_on_broker()
                 return self._tx
+
+    def _tx_now(self, deadline: float | None) -> tuple[Link | None, object]:
+        """Under the lock, once the connection admits calls (WouldBlock, nothing done,
+        while it fails over): the link and the transaction's handle, begun now unless the
+        link's calls block (then None: begin it outside the lock). No link when the begin
+        failed with the link: the failover comes next."""
+        connection = self.connection
+        with connection._cond:
+            link = connection._admit(deadline, block=False)
+            if self._tx is not None and self._tx_link == link.serial:
+                return link, self._tx
+            if link.calls_block:
+                return link, None
+            try:
+                self._tx = link.begin()
+            except (NotConnectedError, UnblockedError) as exc:
+                connection._io_failed(link, exc)
+                return None, None
+            self._tx_link = link.serial
+            self._transaction("begin").begun_on_broker()
+            return link, self._tx
 
     # --- failover ---------------------------------------------------------------------------
 
@@ -337,14 +411,18 @@ class TransactionAttempt:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, _: object
     ) -> bool:
+        return run_steps(self.session.connection, self._exit_steps(error))
+
+    def _exit_steps(self, error: BaseException | None) -> Steps[bool]:
+        """``__exit__`` as steps: whether to swallow ``error`` (to run the block again)."""
         if error is not None:
             if isinstance(error, TransactionRolledBackError):
                 self.retry_because = error  # the block's own commit() was rolled back
                 return True
-            self.session.rollback()  # the block failed: nothing of it is kept
+            yield from self.session._rollback_steps()  # the block failed: nothing is kept
             return False
         try:
-            self.session.commit()
+            yield from self.session._commit_steps()
         except TransactionRolledBackError as exc:
             self.retry_because = exc  # F9: a failover made it rollback-only
             return True

@@ -8,13 +8,21 @@ expired budget raises CallTimeoutError. Otherwise the caller sleeps until the dr
 something or the look's pause is over, whichever comes first: on the condition, or on the
 loop (``hafailover.aio`` wakes it through the condition's watcher). Owns no state of the
 connection; never writes except through ``ask_for_receipt``.
+
+A call written as steps yields a ``Wait`` for each wait for the broker, and a ``Blocking``
+for the socket I/O that has no form that does not block (an AMQP attach or declare, a
+drain, joining a listener thread): a thread makes it where it stands, hafailover.aio on the loop's
+default executor. A ``Blocking`` never waits for a message or for a failover: it is one
+request and its answer, bounded by the link (call_timeout) and ended by the link's loss.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Generator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import attrs
 
 from hafailover.core.waits import CallBudget, Expiry, Wait
 from hafailover.errors import CallTimeoutError
@@ -23,14 +31,41 @@ if TYPE_CHECKING:
     from hafailover.driver.calls import Calls
     from hafailover.driver.completions import SendCompletion
 
-__all__ = ["Steps", "Waiter", "WouldBlock", "attempts", "budget_of", "run_steps"]
+__all__ = [
+    "Blocking",
+    "Steps",
+    "Waiter",
+    "WouldBlock",
+    "attempts",
+    "blocking",
+    "budget_of",
+    "run_steps",
+]
 
 T = TypeVar("T")
 
+
+@attrs.frozen
+class Blocking(Generic[T]):
+    """A step that makes ``call()``, blocking I/O with no non-blocking form (an AMQP
+    attach or declare, a drain): bounded by the link, never a wait for a message
+    or for a failover. Whoever runs the steps makes it off its event loop, if it has one,
+    and sends its result back in (or throws what it raised)."""
+
+    call: Callable[[], T]
+
+
 # A call that waits, written as the waits it needs: each Wait it yields is served by whoever
 # runs it (``run_steps`` on a thread, hafailover.aio on a loop), and a CallTimeoutError met
-# serving one is thrown back in where it was yielded. Yielded outside the connection's lock.
-Steps = Generator[Wait[Any], None, T]
+# serving one is thrown back in where it was yielded; each Blocking it yields is made and its
+# result sent back in. Yielded outside the connection's lock.
+Steps = Generator[Wait[Any] | Blocking[Any], Any, T]
+
+
+def blocking(call: Callable[[], T]) -> Generator[Blocking[T], Any, T]:
+    """``result = yield from blocking(call)``: ``call()`` as a step, typed."""
+    result: T = yield Blocking(call)
+    return result
 
 
 class WouldBlock(Exception):  # noqa: N818 - a signal between the driver and hafailover.aio, not an error
@@ -123,16 +158,25 @@ def attempts(attempt: Callable[[], T]) -> Steps[T]:
 
 
 def run_steps(connection: Calls, steps: Steps[T]) -> T:
-    """On a thread: run ``steps``, each wait served by the Waiter on the condition."""
-    timed_out: CallTimeoutError | None = None
+    """On a thread: run ``steps``, each wait served by the Waiter on the condition, each
+    blocking call made here."""
+    sent: Any = None
+    raised: BaseException | None = None
     while True:
         try:
-            wait = steps.send(None) if timed_out is None else steps.throw(timed_out)
+            step = steps.send(sent) if raised is None else steps.throw(raised)
         except StopIteration as finished:
             result: T = finished.value
             return result
-        timed_out = None
+        sent = raised = None
         try:
-            Waiter(connection, wait).block()
+            if isinstance(step, Blocking):
+                sent = step.call()
+            else:
+                Waiter(connection, step).block()
         except CallTimeoutError as exc:
-            timed_out = exc
+            raised = exc
+        except Exception as exc:  # a blocking call's failure is the steps' to handle
+            if not isinstance(step, Blocking):
+                raise
+            raised = exc

@@ -175,9 +175,10 @@ class Link(Protocol):
     What a link can do is said by its capabilities, never by its class: the driver asks
     ``windowed`` (frames numbered for the confirmation window and receipts in frame order,
     so one receipt confirms every frame before it, and ``sync`` may be called),
-    ``calls_block`` (subscribe, browse, begin and end wait for the broker: call them without
-    the driver's lock) and ``settles_transacted_work`` (the broker settles each transacted
-    transfer and acknowledge, and a commit must wait for those settlements)."""
+    ``calls_block`` (subscribe, browse and begin wait for the broker: call them without
+    the driver's lock; ``end`` never waits, its answer completes its token) and
+    ``settles_transacted_work`` (the broker settles each transacted transfer and
+    acknowledge, and a commit must wait for those settlements)."""
 
     broker: BrokerAddress
     serial: int
@@ -250,7 +251,8 @@ class Link(Protocol):
         ...
 
     def end(self, tx: object, *, commit: bool, token: int) -> None:
-        """Commit or roll back; completion arrives as ``link_completed(token)``."""
+        """Commit or roll back (never blocking); completion arrives as
+        ``link_completed(token)``."""
         ...
 
     def temporary_queue(self, wanted: Destination | None) -> Destination:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import uuid
@@ -825,20 +826,37 @@ class AmqpEngine:
         self._send_control(Described(DECLARE, [None]), declare=True, request=declared)
         return declared
 
-    def discharge(self, tx: AmqpTransaction, *, fail: bool) -> Pending[None]:
+    def discharge(
+        self, tx: AmqpTransaction, *, fail: bool, token: int | None = None
+    ) -> Pending[None]:
         """Commit (``fail=False``) or roll back; the Pending completes once the broker has
         settled it, or fails with ProtocolError if the broker refuses. A commit cut by the
-        loss of the connection fails with TransactionOutcomeUnknownError."""
+        loss of the connection fails with TransactionOutcomeUnknownError. With a ``token``
+        nobody waits on the Pending: its outcome arrives as ``on_settled(token, ...)``, as
+        a send's does."""
         self._require_open()
         self.check_transaction(tx)
         discharged: Pending[None] = Pending(
             f"{self._broker_text()}: {'roll back' if fail else 'commit'} a transaction",
             UnblockedError if fail else TransactionOutcomeUnknownError,
         )
+        if token is not None:
+            discharged.notify = functools.partial(self._discharged, token, discharged)
         self._send_control(
             Described(DISCHARGE, [tx.txn_id, fail]), declare=False, request=discharged
         )
         return discharged
+
+    def _discharged(self, token: int, discharged: Pending[None]) -> None:
+        """A discharge made with a token was answered (or cut): its outcome as an event."""
+        error: RemoteError | None = None
+        try:
+            discharged.result()
+        except RemoteError as exc:
+            error = exc
+        except HaFailoverError as exc:  # closed here: nobody waits for it any more
+            error = UnblockedError(str(exc))
+        self._emit(self.events.on_settled, token, error)
 
     def _send_control(self, body: Described, *, declare: bool, request: Pending[Any]) -> None:
         with map_errors(self._broker_text()):

@@ -37,7 +37,7 @@ class AmqpLink:
         self.events = events
         self.policy = policy
         self.windowed = False  # no reattach extension on AMQP: every failover reconnects
-        # attach, declare and discharge wait for the broker's answer
+        # attach and declare wait for the broker's answer
         self.calls_block = True
         # the broker settles transactional transfers and dispositions; a discharge must not
         # overtake them
@@ -154,14 +154,10 @@ class AmqpLink:
         return self._transport.declare()
 
     def end(self, tx: object, *, commit: bool, token: int) -> None:
+        # Never waits: the broker's answer completes the token (``on_settled``).
         transaction = _transaction(tx)
         assert transaction is not None
-        error: RemoteError | None = None
-        try:
-            self._transport.discharge(transaction, fail=not commit)
-        except RemoteError as exc:
-            error = exc
-        self.events.link_completed(self, token, error)
+        self._transport.discharge_later(transaction, fail=not commit, token=token)
 
     def temporary_queue(self, wanted: Destination | None) -> Destination:
         created = self._transport.create_temporary_queue()

@@ -16,8 +16,9 @@ events the engine queues are called with the lock released, by one thread at a t
 the order they were queued: whichever thread queued them calls them, unless another is
 calling events already, which then calls them too.
 
-A call that waits for the broker (open, subscribe, declare, discharge, a temporary queue)
-blocks its caller on the engine's ``Pending``, bounded by a timeout; waiting on the reader
+A call that waits for the broker (open, subscribe, declare, a temporary queue) blocks its
+caller on the engine's ``Pending``, bounded by a timeout (a discharge may too, or be
+answered as an event, ``discharge_later``); waiting on the reader
 thread itself would deadlock, and raises IllegalStateError instead. A write that fails (or,
 on close, does not finish within the socket's timeout) is a loss noticed by the writer: the
 engine reports it once (``on_lost``), whatever thread noticed first.
@@ -268,6 +269,14 @@ class AmqpTransport:
         Raises ProtocolError if the broker refuses; a commit cut by the loss of the
         connection raises TransactionOutcomeUnknownError."""
         self._wait(lambda: self._engine.discharge(tx, fail=fail), timeout)
+
+    def discharge_later(self, tx: AmqpTransaction, *, fail: bool, token: int) -> None:
+        """Commit or roll back without waiting: the broker's answer (or the loss that cut
+        it) arrives as ``on_settled(token, error)``, as a send's outcome does."""
+        self._request(lambda: self._discharge(tx, fail=fail, token=token))
+
+    def _discharge(self, tx: AmqpTransaction, *, fail: bool, token: int) -> None:
+        self._engine.discharge(tx, fail=fail, token=token)
 
     # --- ending -------------------------------------------------------------------------------
 

@@ -1,0 +1,54 @@
+"""A cancelled aio call leaves the driver whole: cancelling the caller of a commit cancels
+its wait, never the commit, which ends as a threaded one would (the transaction state does
+not stay half-committed), on a STOMP-shaped and an AMQP-shaped link."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from hafailover import AckMode, aio
+from tests.aio.test_aio_driver import eventually, run
+from tests.driver.fake import FakeBroker, link_factory
+
+pytestmark = pytest.mark.timeout(30)
+
+FAST = "heartbeat=250ms&retry_interval=5ms&max_retry_interval=20ms&call_timeout=5s"
+
+
+@pytest.fixture(params=["stomp", "amqp"])
+def shaped(request: pytest.FixtureRequest) -> Iterator[tuple[FakeBroker, str]]:
+    protocol = request.param
+    broker = FakeBroker(windowed=protocol == "stomp")
+    broker.start()
+    yield broker, f"failover:({protocol}://app:pw@live:5000,{protocol}://app:pw@backup:5000)?{FAST}"
+    broker.stop()
+
+
+def test_a_cancelled_commit_goes_on_and_the_session_commits_again(
+    shaped: tuple[FakeBroker, str],
+) -> None:
+    broker, url = shaped
+
+    async def test() -> None:
+        async with await aio.connect(url, link_factory=link_factory(broker)) as connection:
+            session = await connection.create_session(AckMode.SESSION_TRANSACTED)
+            producer = session.create_producer("queue://orders")
+            await producer.send("first")
+            with broker.paused():
+                committing = asyncio.ensure_future(session.commit())
+                await eventually(
+                    lambda: any(f.command == "COMMIT" for f in broker.current().wire),
+                    "the commit written",
+                )
+                committing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await committing
+            await eventually(lambda: len(broker.stored("orders")) == 1, "the first commit")
+            await producer.send("second")
+            await session.commit()
+            assert [m.text for m in broker.stored("orders")] == ["first", "second"]
+
+    run(test)
