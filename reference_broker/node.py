@@ -574,7 +574,38 @@ class Node:
             return 0
 
     def _record_activation(self, activation: int) -> None:
-        _write_json(self._identity_path, {"node_id": self.config.node_id, "activation": activation})
+        """Record the activation this node serves under (the start rule reads it back).
+
+        Called once the witness gave this node the role: an exception here would end the
+        process holding a fresh claim, and its peer, seeing the role move on, would wait for
+        a live that never serves. On a full disk the file is written over in place (its own
+        blocks hold it), as status.json is; if even that fails, the older record stays, which
+        only makes a restart less willing to take this node for the one with the newest data.
+        """
+        value = {"node_id": self.config.node_id, "activation": activation}
+        try:
+            _write_json(self._identity_path, value)
+        except OSError as exc:
+            try:
+                _overwrite(self._identity_path, json.dumps(value).encode())
+            except OSError as again:
+                log.error(  # noqa: TRY400 - both causes are the story, not a traceback
+                    "%s: cannot record activation %d in %s (%s; in place: %s): serving without "
+                    "it; a restart will not count on this node having the newest data",
+                    self.config.node_id,
+                    activation,
+                    self._identity_path,
+                    exc,
+                    again,
+                )
+            else:
+                log.warning(
+                    "%s: cannot replace %s (%s): activation %d written in place",
+                    self.config.node_id,
+                    self._identity_path.name,
+                    exc,
+                    activation,
+                )
 
     def write_status(self, **extra: Any) -> None:
         config = self.config

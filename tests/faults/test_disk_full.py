@@ -28,7 +28,7 @@ from hafailover import BrokerResourceError, ErrorCode
 from reference_broker import BrokerPair
 from reference_broker.engine import DiskFullError, Engine
 from reference_broker.journal import Journal, JournalFullError, SyncPolicy
-from reference_broker.node import Checkpointer
+from reference_broker.node import Checkpointer, Node, NodeConfig
 from reference_broker.store import Store
 from tests.integration.support import AckingConsumer, url_for, wait_until
 
@@ -277,6 +277,24 @@ def test_a_full_pair_directory_fences_the_live_that_cannot_revoke_its_lost_backu
     fenced = [line for line in log.splitlines() if "fencing itself" in line]
     assert fenced and "is no longer eligible" in fenced[0], fenced
     assert "Traceback" not in log and "Unhandled exception" not in log
+
+
+def test_a_node_records_its_activation_on_a_full_disk(tmp_path: Path) -> None:
+    """The activation a node serves under is recorded in its data directory right after the
+    witness gave it the role. On a full disk the record is written over in place: an
+    exception there once ended the process holding a fresh claim, and no node served."""
+    disk = tmp_path / "disk"
+    with small_disk(disk, 1024 * 1024):
+        node = Node(
+            NodeConfig(node_id="live", role="live", data_dir=disk / "data", pair_dir=tmp_path)
+        )
+        node._record_activation(1)
+        hog = DiskHog(disk).start()
+        try:
+            node._record_activation(2)
+            assert node._served_activation() == 2
+        finally:
+            hog.release()
 
 
 ACK_SEGMENT = 32 * 1024  # a reserve of at most 8 KiB: a couple of hundred acknowledges
