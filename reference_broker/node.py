@@ -534,6 +534,9 @@ class Node:
         self.eligible: tuple[str, int] | None = None  # (live, activation) of a synced journal
         self._backup_store: Store | None = None
         self._keeper: LeaseKeeper | None = None
+        # Until then (time.monotonic()) the start rule leaves the role to an eligible backup:
+        # set when this live fenced itself over a failed journal (_leave_role_to_backup).
+        self._start_rule_after = 0.0
         for directory in (config.data_dir, config.pair_dir):
             # Journals, leases and the pair secret: for this node's user alone, even in a
             # directory made before (mkdir's mode applies only to a new one).
@@ -876,6 +879,8 @@ class Node:
                     # runs out.
                     log.error("%s: the journal failed: fencing itself", config.node_id)
                     replication.keep_eligibility()
+                    if replication.synchronized:
+                        self._leave_role_to_backup(replication.backup_id)
                     keeper.stop()
                     self._fenced_status()
                     break
@@ -933,6 +938,24 @@ class Node:
                 self.witness.release(config.node_id, self.activation)
                 self.lease = None
         return next_role
+
+    def _leave_role_to_backup(self, backup: str | None) -> None:
+        """A live fenced over a failed journal: its synchronized backup holds everything
+        confirmed and takes over once the lease and grace have run out. Both nodes then wait
+        for the same moment (this one by the start rule, as the last holder of the newest
+        data), and this one must not win that race: its disk is the one that failed, and a
+        claim it made would leave the backup, seeing the role move on, following it instead.
+        So the start rule waits twice as long as the backup needs, plus a heart-beat timeout;
+        after that (the backup gone too) this node may serve again."""
+        timing = self.config.timing
+        wait = 2 * (timing.lease + timing.grace) + self.config.heartbeat_timeout
+        self._start_rule_after = time.monotonic() + wait
+        log.warning(
+            "%s: leaving the role to backup %s: not activating again for %.1fs",
+            self.config.node_id,
+            backup,
+            wait,
+        )
 
     def _fenced_status(self) -> None:
         """Say at once that this node no longer serves: closing down can take a while."""
@@ -1071,8 +1094,13 @@ class Node:
                     return LIVE
                 # No live to follow: a node that fenced itself, or could not listen, with no
                 # eligible backup to take over still holds the newest data, and the witness
-                # says so. The start rule brings it back once its old lease has run out.
-                if self._may_start_live() and self._activate_again():
+                # says so. The start rule brings it back once its old lease has run out (later
+                # after a failed journal, when the backup has its turn first).
+                if (
+                    time.monotonic() >= self._start_rule_after
+                    and self._may_start_live()
+                    and self._activate_again()
+                ):
                     return LIVE
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), 1.0 if link.refused else 0.1)
