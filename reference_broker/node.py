@@ -537,6 +537,7 @@ class Node:
         # Until then (time.monotonic()) the start rule leaves the role to an eligible backup:
         # set when this live fenced itself over a failed journal (_leave_role_to_backup).
         self._start_rule_after = 0.0
+        self._failback_postponed = False  # no room for a failback: said once per change
         for directory in (config.data_dir, config.pair_dir):
             # Journals, leases and the pair secret: for this node's user alone, even in a
             # directory made before (mkdir's mode applies only to a new one).
@@ -1121,6 +1122,7 @@ class Node:
                     and handover is None
                     and config.role == LIVE
                     and config.allow_failback
+                    and await self._room_to_serve(link)
                 ):
                     log.info(
                         "%s synchronized: asking %s to hand back", config.node_id, link.live_id
@@ -1193,12 +1195,34 @@ class Node:
             await asyncio.sleep(0.02)
         return None
 
+    async def _room_to_serve(self, link: BackupLink) -> bool:
+        """Whether this backup's disk takes new data as a live's must (room for the reserve
+        of acknowledgements in the active segment, or for a new segment): a failback to a
+        node whose disk is full moves the role to where sends are refused and the first
+        writes past the reserve fail the journal. Said in the log once per change."""
+        store = link.store
+        room = store is None or await store.has_room(0)
+        if room == self._failback_postponed:
+            self._failback_postponed = not room
+            log.log(
+                logging.INFO if room else logging.WARNING,
+                "%s: %s",
+                self.config.node_id,
+                "room on the disk again: may ask for the role back"
+                if room
+                else "not asking for the role back: no room on this node's disk for new data",
+            )
+        return room
+
     def _handed_to_us(self, activation: int) -> int | None:
         """The activation the live of `activation` handed to this node, if the witness says so.
 
         The live hands the role over (Witness.hand_over, the next activation, kind hand_over)
         only once this node acknowledged everything it wrote, durably: such a claim is ours
-        to serve, whether HANDOVER_READY arrived or not.
+        to serve, whether HANDOVER_READY arrived or not; but only once. A claim this node has
+        served already (node.json says so) is one it stopped serving, fenced: serving it
+        again would repeat whatever made it stop (a full disk: fenced and back every few
+        milliseconds, renewing the lease the other node waits for, and no one served).
         """
         state = self.witness.read()
         if (
@@ -1206,6 +1230,7 @@ class Node:
             and state.holder == self.config.node_id
             and state.kind == "hand_over"
             and state.activation == activation + 1
+            and self._served_activation() < state.activation
         ):
             return state.activation
         return None

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +32,7 @@ from reference_broker.engine import DiskFullError, Engine
 from reference_broker.journal import Journal, JournalFullError, SyncPolicy
 from reference_broker.node import Checkpointer, Node, NodeConfig
 from reference_broker.store import Store
+from reference_broker.witness import Outcome
 from tests.integration.support import AckingConsumer, url_for, wait_until
 
 from .clients import ConfirmedProducer, base_url, check, stop_all
@@ -295,6 +298,60 @@ def test_a_node_records_its_activation_on_a_full_disk(tmp_path: Path) -> None:
             assert node._served_activation() == 2
         finally:
             hog.release()
+
+
+def test_a_backup_whose_disk_is_full_does_not_ask_for_the_role_back(tmp_path: Path) -> None:
+    """Failback moves the role to the preferred live once it has synchronized as backup;
+    not while its disk is full (its active segment past the acknowledgements' reserve and
+    no room for another): it would refuse every send and fail its journal at the first
+    writes past the reserve. Seen when the preferred live synchronized on a disk a hog kept
+    full, took the role, and fenced itself again within milliseconds."""
+    disk = tmp_path / "disk"
+    with small_disk(disk, 1024 * 1024):
+        node = Node(
+            NodeConfig(
+                node_id="live",
+                role="live",
+                data_dir=disk / "data",
+                pair_dir=tmp_path,
+                segment_size=64 * 1024,
+            )
+        )
+        asyncio.run(_room_for_failback(node, disk))
+
+
+async def _room_for_failback(node: Node, disk: Path) -> None:
+    store = Store(node._open_journal())
+    link: Any = types.SimpleNamespace(store=store)  # what the check reads of a BackupLink
+    try:
+        assert await node._room_to_serve(link)
+        hog = DiskHog(disk).start()
+        try:
+            assert await node._room_to_serve(link), "a fresh segment is room enough"
+            while store.journal.room >= store.space_reserve:
+                await store.persist([(1, b"r" * 1000)])
+            assert not await node._room_to_serve(link)
+        finally:
+            hog.release()
+        assert await node._room_to_serve(link)
+    finally:
+        await store.close()
+
+
+def test_a_hand_over_claim_is_served_once(tmp_path: Path) -> None:
+    """A claim the acting live handed to this node is this node's to serve, but not again
+    once it served it: it stopped serving under it (fenced: a full disk), and serving it
+    again would loop, renewing the lease the other node waits for."""
+    node = Node(
+        NodeConfig(node_id="live", role="live", data_dir=tmp_path / "data", pair_dir=tmp_path)
+    )
+    addresses = ["127.0.0.1:61613"]
+    assert node.witness.try_activate("backup", addresses).outcome is Outcome.ACTIVATED
+    handed = node.witness.hand_over("backup", 1, "live", addresses)
+    assert handed.state is not None and handed.state.activation == 2
+    assert node._handed_to_us(1) == 2
+    node._record_activation(2)  # it served activation 2, then fenced itself
+    assert node._handed_to_us(1) is None
 
 
 ACK_SEGMENT = 32 * 1024  # a reserve of 8 KiB: a couple of hundred acknowledges
