@@ -534,6 +534,10 @@ class Node:
         self.eligible: tuple[str, int] | None = None  # (live, activation) of a synced journal
         self._backup_store: Store | None = None
         self._keeper: LeaseKeeper | None = None
+        # Until then (time.monotonic()) the start rule leaves the role to an eligible backup:
+        # set when this live fenced itself over a failed journal (_leave_role_to_backup).
+        self._start_rule_after = 0.0
+        self._failback_postponed = False  # no room for a failback: said once per change
         for directory in (config.data_dir, config.pair_dir):
             # Journals, leases and the pair secret: for this node's user alone, even in a
             # directory made before (mkdir's mode applies only to a new one).
@@ -574,7 +578,38 @@ class Node:
             return 0
 
     def _record_activation(self, activation: int) -> None:
-        _write_json(self._identity_path, {"node_id": self.config.node_id, "activation": activation})
+        """Record the activation this node serves under (the start rule reads it back).
+
+        Called once the witness gave this node the role: an exception here would end the
+        process holding a fresh claim, and its peer, seeing the role move on, would wait for
+        a live that never serves. On a full disk the file is written over in place (its own
+        blocks hold it), as status.json is; if even that fails, the older record stays, which
+        only makes a restart less willing to take this node for the one with the newest data.
+        """
+        value = {"node_id": self.config.node_id, "activation": activation}
+        try:
+            _write_json(self._identity_path, value)
+        except OSError as exc:
+            try:
+                _overwrite(self._identity_path, json.dumps(value).encode())
+            except OSError as again:
+                log.error(  # noqa: TRY400 - both causes are the story, not a traceback
+                    "%s: cannot record activation %d in %s (%s; in place: %s): serving without "
+                    "it; a restart will not count on this node having the newest data",
+                    self.config.node_id,
+                    activation,
+                    self._identity_path,
+                    exc,
+                    again,
+                )
+            else:
+                log.warning(
+                    "%s: cannot replace %s (%s): activation %d written in place",
+                    self.config.node_id,
+                    self._identity_path.name,
+                    exc,
+                    activation,
+                )
 
     def write_status(self, **extra: Any) -> None:
         config = self.config
@@ -845,6 +880,8 @@ class Node:
                     # runs out.
                     log.error("%s: the journal failed: fencing itself", config.node_id)
                     replication.keep_eligibility()
+                    if replication.synchronized:
+                        self._leave_role_to_backup(replication.backup_id)
                     keeper.stop()
                     self._fenced_status()
                     break
@@ -902,6 +939,24 @@ class Node:
                 self.witness.release(config.node_id, self.activation)
                 self.lease = None
         return next_role
+
+    def _leave_role_to_backup(self, backup: str | None) -> None:
+        """A live fenced over a failed journal: its synchronized backup holds everything
+        confirmed and takes over once the lease and grace have run out. Both nodes then wait
+        for the same moment (this one by the start rule, as the last holder of the newest
+        data), and this one must not win that race: its disk is the one that failed, and a
+        claim it made would leave the backup, seeing the role move on, following it instead.
+        So the start rule waits twice as long as the backup needs, plus a heart-beat timeout;
+        after that (the backup gone too) this node may serve again."""
+        timing = self.config.timing
+        wait = 2 * (timing.lease + timing.grace) + self.config.heartbeat_timeout
+        self._start_rule_after = time.monotonic() + wait
+        log.warning(
+            "%s: leaving the role to backup %s: not activating again for %.1fs",
+            self.config.node_id,
+            backup,
+            wait,
+        )
 
     def _fenced_status(self) -> None:
         """Say at once that this node no longer serves: closing down can take a while."""
@@ -1040,8 +1095,13 @@ class Node:
                     return LIVE
                 # No live to follow: a node that fenced itself, or could not listen, with no
                 # eligible backup to take over still holds the newest data, and the witness
-                # says so. The start rule brings it back once its old lease has run out.
-                if self._may_start_live() and self._activate_again():
+                # says so. The start rule brings it back once its old lease has run out (later
+                # after a failed journal, when the backup has its turn first).
+                if (
+                    time.monotonic() >= self._start_rule_after
+                    and self._may_start_live()
+                    and self._activate_again()
+                ):
                     return LIVE
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), 1.0 if link.refused else 0.1)
@@ -1062,6 +1122,7 @@ class Node:
                     and handover is None
                     and config.role == LIVE
                     and config.allow_failback
+                    and await self._room_to_serve(link)
                 ):
                     log.info(
                         "%s synchronized: asking %s to hand back", config.node_id, link.live_id
@@ -1134,12 +1195,34 @@ class Node:
             await asyncio.sleep(0.02)
         return None
 
+    async def _room_to_serve(self, link: BackupLink) -> bool:
+        """Whether this backup's disk takes new data as a live's must (room for the reserve
+        of acknowledgements in the active segment, or for a new segment): a failback to a
+        node whose disk is full moves the role to where sends are refused and the first
+        writes past the reserve fail the journal. Said in the log once per change."""
+        store = link.store
+        room = store is None or await store.has_room(0)
+        if room == self._failback_postponed:
+            self._failback_postponed = not room
+            log.log(
+                logging.INFO if room else logging.WARNING,
+                "%s: %s",
+                self.config.node_id,
+                "room on the disk again: may ask for the role back"
+                if room
+                else "not asking for the role back: no room on this node's disk for new data",
+            )
+        return room
+
     def _handed_to_us(self, activation: int) -> int | None:
         """The activation the live of `activation` handed to this node, if the witness says so.
 
         The live hands the role over (Witness.hand_over, the next activation, kind hand_over)
         only once this node acknowledged everything it wrote, durably: such a claim is ours
-        to serve, whether HANDOVER_READY arrived or not.
+        to serve, whether HANDOVER_READY arrived or not; but only once. A claim this node has
+        served already (node.json says so) is one it stopped serving, fenced: serving it
+        again would repeat whatever made it stop (a full disk: fenced and back every few
+        milliseconds, renewing the lease the other node waits for, and no one served).
         """
         state = self.witness.read()
         if (
@@ -1147,6 +1230,7 @@ class Node:
             and state.holder == self.config.node_id
             and state.kind == "hand_over"
             and state.activation == activation + 1
+            and self._served_activation() < state.activation
         ):
             return state.activation
         return None

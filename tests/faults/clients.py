@@ -14,7 +14,8 @@ event-listener call with its time, and the failovers its connection counted.
   before (the application's duplicate suppression). The loss checker's batch-acknowledging
   consumer (tests/integration/support.AckingConsumer) is checked the same way.
 
-``check`` then drains the queue (CLIENT acknowledge, through a fresh connection) and counts,
+``check`` then drains the queue (CLIENT acknowledge, through a fresh connection, waiting
+longer while a confirmed message is still missing) and counts,
 as Jepsen's total-queue checker and tests/integration/test_loss_checker.py do:
 
 - lost = confirmed and never received (acknowledged, in doubt, or drained);
@@ -33,7 +34,7 @@ import functools
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -48,6 +49,7 @@ from hafailover import (
     UnblockedError,
 )
 from reference_broker import BrokerPair
+from tests.integration.support import QuietSpell
 
 from .netns import entered
 
@@ -60,6 +62,8 @@ FAST = {
     "reconnect_attempts": "-1",
 }
 DRAIN_LIMIT = 900.0  # seconds
+# The drain's first connection: at 50 ms to 250 ms apart, about ten seconds of attempts.
+DRAIN_CONNECT_ATTEMPTS = 40
 # How long a call blocked by a failover may wait before it is released.
 CALL_FAILOVER_TIMEOUT = 2.0
 
@@ -424,7 +428,12 @@ class Verdict:
 
 
 def drain(
-    url: str, queue: str, *, netns: str | None = None, idle: float = 2.0
+    url: str,
+    queue: str,
+    *,
+    netns: str | None = None,
+    idle: float = 2.0,
+    expect: Collection[int] = (),
 ) -> tuple[list[int], list[int]]:
     """Consume everything on ``queue`` through a fresh connection (in ``netns`` if given):
     (seqs acknowledged, seqs whose acknowledge is in doubt).
@@ -433,13 +442,18 @@ def drain(
     its unacknowledged messages again (a DUPS_OK drain counted them twice: 11 duplicates seen
     once, none of them the broker's), and after a failover it waits longer before it calls
     the queue empty (the wait after a reconnect once ended a drain early: 700 confirmed
-    messages reported lost that were all there). A long chaos run leaves tens of thousands:
+    messages reported lost that were all there). While a seq of ``expect`` (confirmed, not
+    yet received) is missing, a quiet spell must be longer still (QuietSpell, shared with
+    the integration tests' loss checker). A long chaos run leaves tens of thousands:
     it drains until idle however long that is, but fails loudly past DRAIN_LIMIT rather than
     count the rest as lost. After a takeover the first broker of the URL may be the fenced
     one (F12: a first connection tries further brokers only as initial_connect_attempts
-    allows). Its heart-beat is 2 s.
+    allows), and a failback hand-over still under way leaves neither node listening for a
+    moment: DRAIN_CONNECT_ATTEMPTS span a few seconds. Its heart-beat is 2 s.
     """
-    url = with_options(url, heartbeat="2s", initial_connect_attempts=4)
+    url = with_options(url, heartbeat="2s", initial_connect_attempts=DRAIN_CONNECT_ATTEMPTS)
+    spell = QuietSpell(idle, expect)
+    expected = set(spell.missing)
     acknowledged: list[int] = []
     in_doubt: list[int] = []
     deadline = time.monotonic() + DRAIN_LIMIT
@@ -452,8 +466,9 @@ def drain(
         while True:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{queue} not drained after {DRAIN_LIMIT}s")
-            message = consumer.receive(idle if acknowledged or pending else 5.0)
+            message = consumer.receive(spell.wait())
             if message is not None:
+                spell.received(message)
                 pending.append(int(str(message.properties["seq"])))
                 if len(pending) < 100:
                     continue
@@ -462,7 +477,7 @@ def drain(
                     session.acknowledge()
                     acknowledged += pending
                 except StaleAcknowledgeError:
-                    pass  # they come again
+                    spell.missing |= expected.intersection(pending)  # they come again
                 except (UnblockedError, AcknowledgeFailedError):
                     in_doubt += pending
                 pending = []
@@ -484,12 +499,14 @@ def check(
 ) -> Verdict:
     """Drain ``queue`` (the clients stopped) and count lost, unexpected and duplicate
     messages. ``url``: the pair's URL without options; producers number their seqs apart."""
-    drained, drained_in_doubt = drain(url, queue, netns=netns)
+    confirmed = {seq for p in producers for seq in p.confirmed}
     acknowledged = [seq for c in consumers for seq in c.acknowledged]
-    in_doubt = {seq for c in consumers for seq in c.in_doubt} | set(drained_in_doubt)
+    consumers_in_doubt = {seq for c in consumers for seq in c.in_doubt}
+    expect = confirmed - set(acknowledged) - consumers_in_doubt
+    drained, drained_in_doubt = drain(url, queue, netns=netns, expect=expect)
+    in_doubt = consumers_in_doubt | set(drained_in_doubt)
     handed = {seq for c in consumers for seq in c.handed}
     attempted = {seq for p in producers for seq in p.attempted}
-    confirmed = {seq for p in producers for seq in p.confirmed}
     received = acknowledged + drained
     counts = collections.Counter(received)
     clients: list[Any] = [*producers, *consumers]

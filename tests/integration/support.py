@@ -45,6 +45,30 @@ def single_url(protocol: str, host: str, port: int, pair: BrokerPair, **options:
 EXPECTING_IDLE = 15.0
 
 
+class QuietSpell:
+    """When a drain may call its queue empty: after ``idle`` seconds without a message (5 s
+    for the first one: it may take a while on a loaded machine), or, while any of the
+    ``expect``ed ``seq`` properties is still missing, after ``EXPECTING_IDLE``. On a loaded
+    machine a second without a message is not an empty queue (messages a closed consumer
+    held come back only once the broker has seen it go), and a message a drain gave up on
+    too soon would be reported lost. Shared by every loss checker's final drain."""
+
+    def __init__(self, idle: float, expect: Collection[int] = ()) -> None:
+        self.idle = idle
+        self.missing = {int(seq) for seq in expect}
+        self._received = False
+
+    def wait(self) -> float:
+        """How long to wait for the next message before calling the queue empty."""
+        wait = self.idle if self._received else max(self.idle, 5.0)
+        return max(wait, EXPECTING_IDLE) if self.missing else wait
+
+    def received(self, message: Message) -> None:
+        self._received = True
+        if self.missing:
+            self.missing.discard(int(str(message.properties.get("seq", -1))))
+
+
 def drain(
     url: str,
     queue: str,
@@ -53,14 +77,9 @@ def drain(
     limit: float = 60.0,
     expect: Collection[int] = (),
 ) -> list[Message]:
-    """Everything waiting on ``queue`` (consumed), through a fresh connection.
-
-    ``expect``: the ``seq`` properties a loss checker counts on finding. While any of them
-    is missing, a quiet spell must last ``EXPECTING_IDLE`` before the drain ends: on a
-    loaded machine a second without a message is not an empty queue (messages a closed
-    consumer held come back only once the broker has seen it go), and a message the drain
-    gave up on too soon would be reported lost."""
-    missing = {int(seq) for seq in expect}
+    """Everything waiting on ``queue`` (consumed), through a fresh connection; it ends after
+    a quiet spell (``QuietSpell``: longer while an ``expect``ed seq is missing)."""
+    spell = QuietSpell(idle, expect)
     received: list[Message] = []
     # After a failover the first broker of the URL may be the dead one (F12: the first
     # connection only tries further brokers when initial_connect_attempts allows it).
@@ -71,14 +90,11 @@ def drain(
         connection.start()
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            # The first message may take a while on a loaded machine; then idle ends it.
-            wait = idle if received else max(idle, 5.0)
-            message = consumer.receive(max(wait, EXPECTING_IDLE) if missing else wait)
+            message = consumer.receive(spell.wait())
             if message is None:
                 break
             received.append(message)
-            if missing:
-                missing.discard(int(str(message.properties.get("seq", -1))))
+            spell.received(message)
     return received
 
 
