@@ -394,10 +394,15 @@ def test_f6_holds_when_the_live_dies_under_pipelined_acknowledges(
             assert message is not None, f"stalled after {len(set(got))} of {total}"
             got.append(int(str(message.properties["seq"])))
         assert killed.wait(10)
-        wait_until(lambda: connection.statistics().failovers == 1, 20, "the failover")
-        # One failover: at most the one message handed out last comes again, once.
-        assert len(got) - len(set(got)) <= 1, sorted({s for s in got if got.count(s) > 1})
-        assert failures <= 1
+        wait_until(lambda: connection.statistics().failovers >= 1, 20, "the failover")
+        # Each failover brings back at most the one message handed out last, once. On a
+        # loaded machine a missed heart-beat can add a failover of its own: count them all.
+        failovers = connection.statistics().failovers
+        assert len(got) - len(set(got)) <= failovers, (
+            failovers,
+            sorted({s for s in got if got.count(s) > 1}),
+        )
+        assert failures <= failovers
     assert drain(url, "queue://f6kill") == []
 
 
