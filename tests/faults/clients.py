@@ -64,6 +64,7 @@ FAST = {
 DRAIN_LIMIT = 900.0  # seconds
 # The drain's first connection: at 50 ms to 250 ms apart, about ten seconds of attempts.
 DRAIN_CONNECT_ATTEMPTS = 40
+DEAD_LETTER_QUEUE = "queue://DLQ"  # the node's default --dead-letter-queue
 # How long a call blocked by a failover may wait before it is released.
 CALL_FAILOVER_TIMEOUT = 2.0
 
@@ -412,17 +413,26 @@ class Verdict:
     duplicates: dict[int, int]
     longest_stall: float
     failovers: int
+    # Confirmed, never received, and found on the dead-letter queue: the pair's poison rule
+    # moved them there (on AMQP a failover counts the deliveries a consumer held).
+    dead_lettered: list[int] = attrs.field(factory=list)
 
     def line(self, scenario: str, protocol: str) -> str:
         return (
             f"{scenario} [{protocol}]: attempted={self.attempted} confirmed={self.confirmed} "
             f"received={self.received} drained={self.drained} lost={len(self.lost)} "
+            f"dead-lettered={len(self.dead_lettered)} "
             f"unexpected={len(self.unexpected)} duplicates={len(self.duplicates)} "
             f"longest stall={self.longest_stall:.2f}s failovers={self.failovers}"
         )
 
-    def assert_clean(self) -> None:
+    def assert_clean(self, *, dead_letters_allowed: bool = False) -> None:
+        """Nothing lost, unexpected or doubled; nothing dead-lettered either unless
+        ``dead_letters_allowed`` (a long schedule whose many failovers make the AMQP
+        consumer's held deliveries count, docs/reliability.md)."""
         assert self.lost == [], f"lost: {self.lost[:50]}"
+        if not dead_letters_allowed:
+            assert self.dead_lettered == [], f"dead-lettered: {self.dead_lettered[:50]}"
         assert self.unexpected == [], f"unexpected: {self.unexpected[:50]}"
         assert self.duplicates == {}, f"duplicates (seq: times): {self.duplicates}"
 
@@ -505,6 +515,13 @@ def check(
     expect = confirmed - set(acknowledged) - consumers_in_doubt
     drained, drained_in_doubt = drain(url, queue, netns=netns, expect=expect)
     in_doubt = consumers_in_doubt | set(drained_in_doubt)
+    missing = confirmed - set(acknowledged) - set(drained) - in_doubt
+    dead: set[int] = set()
+    if missing:
+        # Not on the queue: the pair's poison rule may have moved them (DEAD_LETTER_QUEUE,
+        # the node's default); only this run's seqs count.
+        letters, letters_in_doubt = drain(url, DEAD_LETTER_QUEUE, netns=netns, idle=1.0)
+        dead = missing & (set(letters) | set(letters_in_doubt))
     handed = {seq for c in consumers for seq in c.handed}
     attempted = {seq for p in producers for seq in p.attempted}
     received = acknowledged + drained
@@ -515,7 +532,8 @@ def check(
         confirmed=len(confirmed),
         received=len(set(received)),
         drained=len(drained),
-        lost=sorted(confirmed - set(received) - in_doubt),
+        lost=sorted(confirmed - set(received) - in_doubt - dead),
+        dead_lettered=sorted(dead),
         unexpected=sorted((set(received) | handed) - attempted),
         duplicates={seq: n for seq, n in counts.items() if n > 1},
         longest_stall=max((c.longest_stall for c in clients), default=0.0),

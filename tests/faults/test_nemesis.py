@@ -26,6 +26,7 @@ from .netns import Network
 from .test_network_faults import url_for, wait_until
 
 DURATION = float(os.environ.get("HAFAILOVER_CHAOS_DURATION", "30"))
+SHORT_RUN = 60.0  # seconds of faults up to which nothing may be dead-lettered
 # make test runs one fixed schedule (a failing test is then a change in the code, not a
 # new draw); ``make chaos`` draws a fresh seed ("random") unless one is given.
 _SEED = os.environ.get("HAFAILOVER_CHAOS_SEED", "18")
@@ -115,4 +116,7 @@ def _run_schedule(fault_pair: BrokerPair, network: Network, protocol: str) -> No
                     f"{client.name} raised at t+{event.at - started:.3f}s {event.code}: "
                     f"{event.text[:200]}"
                 )
-    verdict.assert_clean()
+    # A long schedule fails the AMQP consumer over often enough that a message it held in
+    # ten failovers reaches the pair's --max-delivery-attempts (docs/reliability.md): that is
+    # the poison rule at work, counted apart, not a loss. make test's schedule has none.
+    verdict.assert_clean(dead_letters_allowed=DURATION > SHORT_RUN)
