@@ -551,6 +551,11 @@ class AsyncSession:
         session delivered before it), or every message delivered when none is named (F8)."""
         await self.connection._steps(nonblocking.acknowledge(self.sync, message))
 
+    async def release(self, message: Message) -> None:
+        """CLIENT_INDIVIDUAL: give ``message`` back alone, as a failed delivery (as
+        ``message.release()``, whose wait for a failover would block the loop)."""
+        await self.connection._steps(nonblocking.release(message))
+
     async def recover(self) -> None:
         self.sync.recover()  # decided and queued under the lock: never waits
 

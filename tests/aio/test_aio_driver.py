@@ -19,6 +19,8 @@ from hafailover import (
     FailoverNotice,
     FailureDetected,
     HaFailoverError,
+    IllegalStateError,
+    StaleAcknowledgeError,
     aio,
 )
 from hafailover.message import Message
@@ -357,6 +359,44 @@ def test_calls_that_only_wait_take_no_executor_thread(broker: FakeBroker) -> Non
             assert [m.text for m in broker.stored("moved")] == ["kept", "in a block"]
             await transacted.close()
             await session.close()
+        finally:
+            connection.sync.close()
+
+    run(test)
+
+
+def test_a_release_waits_out_a_failover_on_the_loop(broker: FakeBroker) -> None:
+    """``await session.release(message)`` serves its failover wait on the loop (with the
+    default executor shut down, a thread would raise), and keeps release()'s rules: the
+    message delivered before the failover is stale, one delivered after goes back alone."""
+
+    async def test() -> None:
+        connection = await connected(broker)
+        refusing = ThreadPoolExecutor(max_workers=1)
+        asyncio.get_running_loop().set_default_executor(refusing)
+        refusing.shutdown()
+        try:
+            session = await connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+            consumer = await session.create_consumer("queue://orders")
+            producer = (await connection.create_session()).create_producer("queue://orders")
+            connection.start()
+            await producer.send("1")
+            before = await consumer.receive(5)
+            assert before is not None and before.text == "1"
+            slow_failover(broker, 5)
+            for thread in broker.current().lose(noticed_by=("reader",)):
+                thread.join(5)
+            with pytest.raises(StaleAcknowledgeError):
+                await session.release(before)
+            assert connection.statistics().failovers == 1
+            again = await consumer.receive(5)
+            assert again is not None and again.text == "1"
+            await session.release(again)
+            last = await consumer.receive(5)
+            assert last is not None and last.text == "1"  # given back, delivered again
+            await session.acknowledge(last)
+            with pytest.raises(IllegalStateError, match="nothing to release"):
+                await session.release(Message(body="built here"))
         finally:
             connection.sync.close()
 

@@ -28,6 +28,7 @@ from hafailover.driver.producer import Producer
 from hafailover.driver.session import Session
 from hafailover.driver.transactions import TransactionAttempt
 from hafailover.driver.waits import Steps, budget_of
+from hafailover.errors import IllegalStateError
 from hafailover.message import Message, PropertyValue
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "flush_wait",
     "pull_now",
     "receive_now",
+    "release",
     "rollback",
     "send",
     "send_now",
@@ -140,6 +142,17 @@ def receive_now(consumer: Consumer) -> Message | None:
 def create_session(connection: Connection, ack_mode: AckMode) -> Steps[Session]:
     """``connection.create_session(ack_mode)`` as steps: it waits while failing over."""
     return connection._session_steps(ack_mode)
+
+
+def release(message: Message) -> Steps[None]:
+    """``message.release()`` as steps: it waits out a failover (F1), then writes the
+    give-back (nothing to wait for after it)."""
+    consumer = getattr(message._releaser, "__self__", None)
+    if not isinstance(consumer, Consumer):
+        raise IllegalStateError(
+            "this message was built here, not received: there is nothing to release"
+        )
+    return consumer._release_steps(message)
 
 
 def acknowledge(session: Session, message: Message | None) -> Steps[None]:
