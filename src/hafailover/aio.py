@@ -111,6 +111,11 @@ class SendCancelled:
 AsyncEvent = ConnectionEvent | SendCancelled
 
 
+class _ReceiveTimeoutError(Exception):
+    """A receive's own timeout passed with nothing to return (not an error: it returns
+    None); kept apart from CallTimeoutError, which is a TimeoutError the caller must get."""
+
+
 async def connect(
     url: str | FailoverPolicy,
     *,
@@ -350,8 +355,9 @@ class AsyncConnection:
 
     async def _until(self, attempt: Callable[[], R], timeout: float | None) -> R:
         """``attempt()`` until it does not raise WouldBlock, serving the wait it names
-        (never blocking the loop); TimeoutError after ``timeout`` seconds (None: no limit)
-        without an answer."""
+        (never blocking the loop); _ReceiveTimeoutError after ``timeout`` seconds (None: no limit)
+        without an answer. A CallTimeoutError (call_timeout, call_failover_timeout) is the
+        call's own failure and passes through."""
         deadline = None if timeout is None else self.loop.time() + timeout
         # Counted before the first look: a change the driver makes after it is told.
         self._watching += 1
@@ -362,7 +368,7 @@ class AsyncConnection:
                 except WouldBlock as blocked:
                     remaining = None if deadline is None else deadline - self.loop.time()
                     if remaining is not None and remaining <= 0:
-                        raise TimeoutError from None
+                        raise _ReceiveTimeoutError from None
                     if blocked.wait is None:
                         await self._next_change(remaining)
                         continue
@@ -815,7 +821,7 @@ class AsyncConsumer:
             return await self._aio._until(
                 functools.partial(nonblocking.pull_now, self.sync), timeout
             )
-        except TimeoutError:
+        except _ReceiveTimeoutError:
             pass
         draining = self._aio.loop.run_in_executor(
             None, functools.partial(nonblocking.drain, self.sync)
@@ -853,7 +859,7 @@ class AsyncConsumer:
                 return message
         try:
             return await self._aio._until(self._take_now, timeout)
-        except TimeoutError:
+        except _ReceiveTimeoutError:
             return None
 
     def __aiter__(self) -> AsyncConsumer:
