@@ -4,6 +4,7 @@ never retry an unknown outcome on a broker that would store the messages twice."
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -190,3 +191,25 @@ def test_misuse_is_refused(connection: hafailover.Connection) -> None:
     with pytest.raises(IllegalStateError, match="not used"):
         for _attempt in session.transaction(retries=1):
             pass
+
+
+def test_a_commit_the_link_refuses_to_write_fails_with_that_error_at_once(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An END the link refuses without losing the connection (here: the transaction is
+    unknown to it) ends the commit with that error, instead of leaving it registered until
+    its call_timeout."""
+    with hafailover.connect(
+        url().replace("call_timeout=5s", "call_timeout=30s"), link_factory=link_factory(broker)
+    ) as connection:
+        session = connection.create_session(AckMode.SESSION_TRANSACTED)
+        session.create_producer("queue://orders").send(Message(body="1"))
+
+        def refuse(self: object, tx: object, *, commit: bool, token: int) -> None:
+            raise IllegalStateError(f"no transaction {tx} on this link")
+
+        monkeypatch.setattr(type(connection._link), "end", refuse)
+        started = time.monotonic()
+        with pytest.raises(IllegalStateError, match="no transaction"):
+            session.commit()
+        assert time.monotonic() - started < 10  # not its call_timeout (30 s)

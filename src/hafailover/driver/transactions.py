@@ -325,9 +325,13 @@ class Transactions:
             try:
                 link.end(handle, commit=commit, token=token)
             except HaFailoverError as exc:
-                # Never written: the failover's rules decide (a commit not written is
-                # rolled back, F3).
+                # Never written. Lost with the link: the failover's rules decide (a commit
+                # not written is rolled back, F3). Refused here (the link closed, the
+                # transaction unknown to it): the call ends with that error, not at its
+                # call_timeout.
                 connection._io_failed(link, exc)
+                if not isinstance(exc, NotConnectedError | UnblockedError):
+                    connection._abandon(token, exc)
             else:
                 connection._written(token, link, command_id, asked=True)
                 if commit:
