@@ -207,3 +207,20 @@ def test_a_kept_window_is_one_consumers_and_comes_back_to_the_next(
         hafailover.connect(f"{URL}&consumer_dedup_file={path}")
     with pytest.raises(InvalidURLError, match="no such directory"):
         hafailover.connect(f"{URL}&consumer_dedup=5&consumer_dedup_file={path}/nowhere/x")
+
+
+def test_a_closed_consumer_leaves_nothing_pending_in_its_session(
+    broker: FakeBroker, connection: hafailover.Connection
+) -> None:
+    """What a CLIENT consumer held when it closed went back with its subscription: the ids
+    it would have remembered at their acknowledge are dropped with it (the session kept
+    them, and the consumer with them, until a reconnect)."""
+    session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+    consumer = session.create_consumer("queue://orders")
+    connection.start()
+    put(broker, copy("m1", "first"))
+    held = consumer.receive(5)
+    assert held is not None
+    assert session._dedup_pending
+    consumer.close()
+    assert session._dedup_pending == {}

@@ -571,6 +571,7 @@ class Consumer:
                 for tag in held:
                     del session._tag_subscriptions[tag]
                 session.rules.subscription_ended(held)
+                session._dedup_forget(held)  # they come again: no duplicates then
             link = connection._admitted_link()
             if link is not None:
                 with contextlib.suppress(HaFailoverError):
