@@ -323,8 +323,6 @@ class AsyncConnection:
                     making = self.loop.run_in_executor(None, step.call)
                     try:
                         sent = await asyncio.shield(making)
-                    except asyncio.CancelledError:
-                        raise
                     except Exception as exc:  # noqa: BLE001 - the steps handle what it raised
                         raised = exc
                     making = None
@@ -970,10 +968,13 @@ class AsyncTransactionAttempt:
 
 
 def _close_after(steps: Steps[Any], making: asyncio.Future[Any]) -> None:
-    """The blocking call of cancelled steps is over: stop them (their cleanup runs)."""
-    if not making.cancelled():
-        making.exception()  # retrieved: what it raised is the cancelled steps' no more
+    """The blocking call of cancelled steps is over. What it made is handed to them, so
+    that they record it (a transaction begun on the broker, a temporary queue made) up to
+    their next wait; there they stop (their cleanup runs)."""
     try:
+        if not making.cancelled() and making.exception() is None:
+            with contextlib.suppress(StopIteration):
+                steps.send(making.result())
         steps.close()
     except Exception:  # the caller is gone: nobody to raise to
         log.exception("hafailover.aio: cleaning up a cancelled call raised (ignored)")

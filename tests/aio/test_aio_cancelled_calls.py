@@ -5,11 +5,14 @@ not stay half-committed), on a STOMP-shaped and an AMQP-shaped link."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from hafailover import AckMode, aio
+from hafailover.core.waits import CallBudget, Wait
+from hafailover.driver.waits import Steps, blocking
 from tests.aio.test_aio_driver import eventually, run
 from tests.driver.fake import FakeBroker, link_factory
 
@@ -50,5 +53,48 @@ def test_a_cancelled_commit_goes_on_and_the_session_commits_again(
             await producer.send("second")
             await session.commit()
             assert [m.text for m in broker.stored("orders")] == ["first", "second"]
+
+    run(test)
+
+
+def test_what_a_cancelled_blocking_step_made_is_still_recorded(
+    shaped: tuple[FakeBroker, str],
+) -> None:
+    """A call cancelled while its blocking step (an AMQP attach or declare) runs on the
+    default executor: the step cannot be stopped, and what it made (a transaction begun, a
+    temporary queue) reaches the steps, which record it, before they stop at their next
+    wait."""
+    broker, url = shaped
+    recorded: list[str] = []
+    stopped: list[str] = []
+    release = threading.Event()
+
+    def declare() -> str:
+        release.wait(5)
+        return "made on the broker"
+
+    def steps() -> Steps[str]:
+        try:
+            made = yield from blocking(declare)
+            recorded.append(made)
+            yield Wait(lambda: False, CallBudget(5))  # the next wait: they stop here
+            return made
+        finally:
+            stopped.append("cleaned up")
+
+    async def test() -> None:
+        connection = await aio.connect(url, link_factory=link_factory(broker))
+        try:
+            call = asyncio.ensure_future(connection._steps(steps()))
+            await asyncio.sleep(0.05)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert recorded == []  # the blocking call still runs
+            release.set()
+            await eventually(lambda: stopped == ["cleaned up"], "the steps to stop")
+            assert recorded == ["made on the broker"]
+        finally:
+            connection.sync.close()
 
     run(test)
