@@ -538,6 +538,8 @@ class Node:
         # set when this live fenced itself over a failed journal (_leave_role_to_backup).
         self._start_rule_after = 0.0
         self._failback_postponed = False  # no room for a failback: said once per change
+        # The newest activation this process served under, whether node.json kept it or not.
+        self._activation_served = 0
         for directory in (config.data_dir, config.pair_dir):
             # Journals, leases and the pair secret: for this node's user alone, even in a
             # directory made before (mkdir's mode applies only to a new one).
@@ -572,10 +574,13 @@ class Node:
         return self.config.data_dir / "node.json"
 
     def _served_activation(self) -> int:
+        """The newest activation this node served under: node.json's, or the one this
+        process recorded if the file could not keep it (a full disk, a torn write)."""
         try:
-            return int(json.loads(self._identity_path.read_text())["activation"])
+            recorded = int(json.loads(self._identity_path.read_text())["activation"])
         except (OSError, ValueError, KeyError, TypeError):
-            return 0
+            recorded = 0
+        return max(recorded, self._activation_served)
 
     def _record_activation(self, activation: int) -> None:
         """Record the activation this node serves under (the start rule reads it back).
@@ -586,6 +591,7 @@ class Node:
         blocks hold it), as status.json is; if even that fails, the older record stays, which
         only makes a restart less willing to take this node for the one with the newest data.
         """
+        self._activation_served = max(self._activation_served, activation)
         value = {"node_id": self.config.node_id, "activation": activation}
         try:
             _write_json(self._identity_path, value)

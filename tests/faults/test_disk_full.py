@@ -17,6 +17,7 @@ keeps it full until released. What must hold:
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import time
 import types
@@ -28,6 +29,7 @@ import pytest
 
 from hafailover import BrokerResourceError, ErrorCode
 from reference_broker import BrokerPair
+from reference_broker import node as node_module
 from reference_broker.engine import DiskFullError, Engine
 from reference_broker.journal import Journal, JournalFullError, SyncPolicy
 from reference_broker.node import Checkpointer, Node, NodeConfig
@@ -351,6 +353,28 @@ def test_a_hand_over_claim_is_served_once(tmp_path: Path) -> None:
     assert handed.state is not None and handed.state.activation == 2
     assert node._handed_to_us(1) == 2
     node._record_activation(2)  # it served activation 2, then fenced itself
+    assert node._handed_to_us(1) is None
+
+
+def test_a_hand_over_claim_is_served_once_even_when_node_json_could_not_keep_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk too full even for node.json's in-place write: the process remembers the
+    activation it served, so the claim is still not served twice."""
+    node = Node(
+        NodeConfig(node_id="live", role="live", data_dir=tmp_path / "data", pair_dir=tmp_path)
+    )
+    addresses = ["127.0.0.1:61613"]
+    assert node.witness.try_activate("backup", addresses).outcome is Outcome.ACTIVATED
+    node.witness.hand_over("backup", 1, "live", addresses)
+
+    def full(*_args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(node_module, "_write_json", full)
+    monkeypatch.setattr(node_module, "_overwrite", full)
+    node._record_activation(2)
+    assert not node._identity_path.exists()
     assert node._handed_to_us(1) is None
 
 
