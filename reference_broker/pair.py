@@ -236,9 +236,7 @@ class BrokerPair:
                 netns=netns.get("backup"),
             ),
         )
-        if self.nodes[0].host == self.nodes[1].host and netns:
-            for s in held:
-                s.close()
+        if self.nodes[0].host == self.nodes[1].host and netns:  # no ports held in namespaces
             raise ValueError(f"hosts: both nodes on {self.nodes[0].host}")
         self.users_file = self.data_dir / "users"
         self.pair_dir = self.data_dir / "pair"

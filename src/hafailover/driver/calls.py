@@ -28,7 +28,6 @@ from hafailover.driver.waits import (
     attempts,
     blocking,
     budget_of,
-    run_steps,
 )
 from hafailover.errors import (
     AcknowledgeFailedError,
@@ -366,12 +365,9 @@ class Calls:
         with self._cond:
             return self._admit(deadline, block=False)
 
-    def _subscribe(self, consumer: Consumer) -> None:
-        """Start a consumer's subscription, waiting through failover (F1)."""
-        run_steps(self, self._subscribe_steps(consumer))
-
     def _subscribe_steps(self, consumer: Consumer) -> Steps[None]:
-        """``_subscribe`` as steps: a link whose calls block subscribes with the lock let go."""
+        """Start a consumer's subscription, waiting through failover (F1): a link whose
+        calls block subscribes with the lock let go."""
         deadline = self._failover_deadline()
         while True:
             link = yield from attempts(functools.partial(self._admit_locked, deadline))

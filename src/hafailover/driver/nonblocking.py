@@ -2,8 +2,9 @@
 here either finishes now or raises WouldBlock with the wait it needs, as a value
 (hafailover.core.waits), for the caller to serve with the one ``Waiter``; or it is written
 as steps (``driver/waits.py``): each wait for the broker yielded as a ``Wait``, each
-blocking socket call that has no other form (an AMQP attach or declare, a drain,
-joining a listener thread) as a ``Blocking`` for the caller to make off its loop.
+blocking socket call that has no other form (an AMQP attach or declare, joining a
+listener thread) as a ``Blocking`` for the caller to make off its loop. The drain of a
+zero-prefetch consumer whose receive timed out is a blocking call of its own (``drain``).
 
 The only way in to the driver's state for such a caller: hafailover.aio reads no private
 member of the driver (tests/aio/test_no_driver_privates.py), so what it needs is named

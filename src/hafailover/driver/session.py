@@ -144,7 +144,6 @@ class Session(Transactions):
         dedup: int | None = None,
         dedup_file: str | None = None,
         max_redeliveries: int | None = None,
-        _named: NamedSubscription | None = None,
     ) -> Consumer:
         """A consumer of a queue, topic or temporary queue. ``reliability`` (Qpid's link
         reliability) must agree with the session's ack mode (F14). ``dedup``: how many
@@ -163,7 +162,6 @@ class Session(Transactions):
                 dedup=dedup,
                 dedup_file=dedup_file,
                 max_redeliveries=max_redeliveries,
-                named=_named,
             ),
         )
 
@@ -181,7 +179,6 @@ class Session(Transactions):
     ) -> Steps[Consumer]:
         """``create_consumer`` as steps: it waits out a failover (F1), then for the broker
         to have the subscription."""
-        _named = named
         self._check_open()
         if max_redeliveries is None:
             max_redeliveries = self.connection.policy.max_redeliveries
@@ -205,15 +202,15 @@ class Session(Transactions):
         with self.connection._cond:
             # A consumer of a shared subscription that shares a sibling's window shares
             # its file too (``_share_duplicate_window``): it opens none of its own.
-            shares = _named is not None and self._shared_window(_named) is not None
+            shares = named is not None and self._shared_window(named) is not None
         # Opened with the lock let go (it reads the file); checked again under it below.
         journal = DedupFile(path) if path is not None and dedup and not shares else None
         connection = self.connection
         try:
             with connection._cond:
-                if _named is not None:
-                    check_can_open(_named, target, selector, self._named_open())
-                    if journal is not None and self._shared_window(_named) is not None:
+                if named is not None:
+                    check_can_open(named, target, selector, self._named_open())
+                    if journal is not None and self._shared_window(named) is not None:
                         # A sibling of the shared subscription got its window in meanwhile:
                         # this consumer shares that one, file included.
                         journal.close()
@@ -227,10 +224,10 @@ class Session(Transactions):
                     selector,
                     dedup=dedup,
                     dedup_file=journal,
-                    named=_named,
+                    named=named,
                     max_redeliveries=redelivery.max_redeliveries,
                 )
-                if _named is not None:
+                if named is not None:
                     self._share_duplicate_window(consumer)
                 self._consumers[subscription] = consumer
         except BaseException:

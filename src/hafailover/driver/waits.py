@@ -48,7 +48,7 @@ T = TypeVar("T")
 @attrs.frozen
 class Blocking(Generic[T]):
     """A step that makes ``call()``, blocking I/O with no non-blocking form (an AMQP
-    attach or declare, a drain): bounded by the link, never a wait for a message
+    attach or declare, joining a listener thread): bounded by the link, never a wait for a message
     or for a failover. Whoever runs the steps makes it off its event loop, if it has one,
     and sends its result back in (or throws what it raised)."""
 
