@@ -191,4 +191,13 @@ def _check_under(pair: BrokerPair, protocol: str, fault: str, cycles: int) -> No
         [seq for seq in lost[:50] if seq in handed]
     )
     assert unexpected == [], f"unexpected: {unexpected[:50]}"
-    assert duplicates == {}, f"duplicates (seq: times): {dict(list(duplicates.items())[:50])}"
+    assert duplicates == {}, f"duplicates (seq: times): {dict(list(duplicates.items())[:50])}; " + (
+        # Where each copy came from: a second confirmed acknowledge, or one acknowledged and
+        # one drained, tell a broker that lost an acknowledge from one that stored twice.
+        ", ".join(
+            f"{seq}: acknowledged {consumer.acknowledged.count(seq)}, drained "
+            f"{drained.count(seq)}, handed {consumer.handed.count(seq)}, in doubt "
+            f"{consumer.in_doubt.count(seq)}, committed {producer.committed.count(seq)}"
+            for seq in list(duplicates)[:10]
+        )
+    )
