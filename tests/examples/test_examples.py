@@ -223,3 +223,18 @@ def test_priority_failback_example_moves_back() -> None:
     result = run_example("priority_failback.py")  # two brokers of its own
     assert result.returncode == 0, result.stdout + result.stderr
     assert "failover: " in result.stdout and "failback: " in result.stdout
+
+
+@pytest.mark.parametrize(("protocol", "action"), [("amqp", "add"), ("stomp", "replace")])
+def test_announced_list_example_fails_over_to_a_broker_the_url_never_named(
+    protocol: str, action: str
+) -> None:
+    result = run_example("announced_list.py", protocol, action)  # a pair of its own
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "which the broker announced" in result.stdout
+    assert "received 10 of 10 on the backup" in result.stdout
+
+
+def test_announced_list_example_refuses_a_bad_argument() -> None:
+    result = run_example("announced_list.py", "amqp", "sometimes")
+    assert result.returncode == 2 and "usage:" in result.stderr
