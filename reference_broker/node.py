@@ -696,11 +696,20 @@ class Node:
         witness = self.witness
         node_id = self.config.node_id
         addresses = [f"{self.config.host}:{self.config.stomp_port}"]
-        if self._pending_activation is not None:
-            decision = witness.renew(node_id, self._pending_activation)
-            self._pending_activation = None
-        else:
-            decision = witness.try_activate(node_id, addresses)
+        pending, self._pending_activation = self._pending_activation, None
+        try:
+            if pending is not None:
+                decision = witness.renew(node_id, pending)
+            else:
+                decision = witness.try_activate(node_id, addresses)
+        except OSError as exc:
+            # The pair directory cannot be written (cut off, read-only, full): this node
+            # cannot hold a lease, so it does not take the role, and lives on as backup to
+            # try again, as when another holds it. Raised, it ended the process.
+            log.error(  # noqa: TRY400 - the cause is the story, not a traceback
+                "%s cannot take the live role: the witness is not writable: %s", node_id, exc
+            )
+            return False
         if decision.outcome not in (Outcome.ACTIVATED, Outcome.RENEWED) or decision.lease is None:
             log.info("%s not activated: %s", node_id, decision.reason)
             return False
@@ -719,7 +728,14 @@ class Node:
             if self.lease.may_serve(now):
                 return True
             if now >= self.lease.not_before or self.lease.renew_due(now):
-                decision = self.witness.renew(self.config.node_id, self.activation)
+                try:
+                    decision = self.witness.renew(self.config.node_id, self.activation)
+                except OSError as exc:
+                    log.error(  # noqa: TRY400 - the cause is the story, not a traceback
+                        "%s fenced before serving: cannot renew: %s", self.config.node_id, exc
+                    )
+                    self.lease = None
+                    return False
                 if decision.outcome is not Outcome.RENEWED or decision.lease is None:
                     log.warning(
                         "%s fenced before serving: %s", self.config.node_id, decision.reason

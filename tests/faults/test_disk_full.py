@@ -473,3 +473,24 @@ def test_acknowledges_on_a_full_disk_use_the_reserve_and_its_end_hands_over_to_t
         f" in doubt={len(consumer.in_doubt)} stale acknowledges={consumer.stale}"
     )
     outcome.assert_clean()
+
+
+def test_a_node_that_cannot_write_the_witness_does_not_take_the_role(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair directory cut off or read-only when a node would take the role (a start, a
+    hand-over back to it): it stays backup and tries again later. The OSError once ended
+    the process of an old live that resynchronized while its pair directory was cut."""
+    node = Node(
+        NodeConfig(node_id="live", role="live", data_dir=tmp_path / "data", pair_dir=tmp_path)
+    )
+
+    def read_only(*_args: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(node.witness, "try_activate", read_only)
+    monkeypatch.setattr(node.witness, "renew", read_only)
+    assert asyncio.run(node._acquire()) is False
+    node._pending_activation = 2  # a hand-over claim
+    assert asyncio.run(node._acquire()) is False
+    assert node._pending_activation is None and node.lease is None
