@@ -261,6 +261,12 @@ def test_the_asyncio_api_has_the_same_subscriptions(pair: BrokerPair, protocol: 
         connection = await aio.connect(url_for(pair, protocol, client_id="aio-app"))
         try:
             session = await connection.create_session(AckMode.AUTO)
+            # the options each kind takes are the synchronous API's: a shared one has no
+            # selector of its own (JMS), and a misspelt option is named
+            with pytest.raises(TypeError, match="selector"):
+                await session.create_shared_consumer(topic, "pool", selector="a = 1")
+            with pytest.raises(TypeError, match="prefech"):
+                await session.create_durable_consumer(topic, "ticks", prefech=5)
             await (await session.create_durable_consumer(topic, "ticks")).close()
             shared = await session.create_shared_consumer(topic, "pool", max_redeliveries=0)
             await session.create_producer(topic).send(Message(body="kept"))

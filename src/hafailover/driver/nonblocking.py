@@ -18,13 +18,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hafailover.ack_modes import AckMode
-from hafailover.core.subscriptions import SubscriptionKind
 from hafailover.core.waits import Wait
 from hafailover.destination import Destination
 from hafailover.driver.browser import Browser
 from hafailover.driver.completions import SendCompletion
 from hafailover.driver.connection import Connection
-from hafailover.driver.consumer import DEFAULT_PREFETCH, Consumer
+from hafailover.driver.consumer import Consumer
 from hafailover.driver.producer import Producer
 from hafailover.driver.session import Session
 from hafailover.driver.transactions import TransactionAttempt
@@ -213,45 +212,21 @@ def create_durable_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_durable_consumer`` as steps (the same options)."""
-    return _named(session, SubscriptionKind.DURABLE, topic, name, options)
+    return session._durable_consumer_steps(topic, name, **options)
 
 
 def create_shared_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_shared_consumer`` as steps (the same options)."""
-    return _named(session, SubscriptionKind.SHARED, topic, name, options)
+    return session._shared_consumer_steps(topic, name, **options)
 
 
 def create_shared_durable_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_shared_durable_consumer`` as steps (the same options)."""
-    return _named(session, SubscriptionKind.SHARED_DURABLE, topic, name, options)
-
-
-def _named(
-    session: Session,
-    kind: SubscriptionKind,
-    topic: str | Destination,
-    name: str,
-    options: dict[str, Any],
-) -> Steps[Consumer]:
-    allowed = {"prefetch", "dedup", "max_redeliveries"}
-    if kind is SubscriptionKind.DURABLE:
-        allowed.add("selector")  # JMS: a shared subscription has no selector of its own
-    unknown = set(options) - allowed
-    if unknown:
-        raise TypeError(f"a {kind.value} consumer takes no option {', '.join(sorted(unknown))}")
-    return session._named_consumer(
-        kind,
-        topic,
-        name,
-        options.get("selector"),
-        options.get("prefetch", DEFAULT_PREFETCH),
-        options.get("dedup"),
-        options.get("max_redeliveries"),
-    )
+    return session._shared_durable_consumer_steps(topic, name, **options)
 
 
 def unsubscribe(session: Session, name: str) -> Steps[None]:

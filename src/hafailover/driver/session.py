@@ -277,9 +277,29 @@ class Session(Transactions):
         Needs the URL's ``client_id``; one active consumer at a time (JMS)."""
         return run_steps(
             self.connection,
-            self._named_consumer(
-                SubscriptionKind.DURABLE, topic, name, selector, prefetch, dedup, max_redeliveries
+            self._durable_consumer_steps(
+                topic,
+                name,
+                selector=selector,
+                prefetch=prefetch,
+                dedup=dedup,
+                max_redeliveries=max_redeliveries,
             ),
+        )
+
+    def _durable_consumer_steps(
+        self,
+        topic: str | Destination,
+        name: str,
+        *,
+        selector: str | None = None,
+        prefetch: int = DEFAULT_PREFETCH,
+        dedup: int | None = None,
+        max_redeliveries: int | None = None,
+    ) -> Steps[Consumer]:
+        """``create_durable_consumer`` as steps; its keywords are the options it takes."""
+        return self._named_consumer(
+            SubscriptionKind.DURABLE, topic, name, selector, prefetch, dedup, max_redeliveries
         )
 
     def create_shared_consumer(
@@ -295,9 +315,24 @@ class Session(Transactions):
         this connection or others, share its messages; it ends with its last consumer."""
         return run_steps(
             self.connection,
-            self._named_consumer(
-                SubscriptionKind.SHARED, topic, name, None, prefetch, dedup, max_redeliveries
+            self._shared_consumer_steps(
+                topic, name, prefetch=prefetch, dedup=dedup, max_redeliveries=max_redeliveries
             ),
+        )
+
+    def _shared_consumer_steps(
+        self,
+        topic: str | Destination,
+        name: str,
+        *,
+        prefetch: int = DEFAULT_PREFETCH,
+        dedup: int | None = None,
+        max_redeliveries: int | None = None,
+    ) -> Steps[Consumer]:
+        """``create_shared_consumer`` as steps; no selector: JMS gives a shared subscription
+        none of its own."""
+        return self._named_consumer(
+            SubscriptionKind.SHARED, topic, name, None, prefetch, dedup, max_redeliveries
         )
 
     def create_shared_durable_consumer(
@@ -313,15 +348,23 @@ class Session(Transactions):
         its consumers and kept by the broker while it has none."""
         return run_steps(
             self.connection,
-            self._named_consumer(
-                SubscriptionKind.SHARED_DURABLE,
-                topic,
-                name,
-                None,
-                prefetch,
-                dedup,
-                max_redeliveries,
+            self._shared_durable_consumer_steps(
+                topic, name, prefetch=prefetch, dedup=dedup, max_redeliveries=max_redeliveries
             ),
+        )
+
+    def _shared_durable_consumer_steps(
+        self,
+        topic: str | Destination,
+        name: str,
+        *,
+        prefetch: int = DEFAULT_PREFETCH,
+        dedup: int | None = None,
+        max_redeliveries: int | None = None,
+    ) -> Steps[Consumer]:
+        """``create_shared_durable_consumer`` as steps."""
+        return self._named_consumer(
+            SubscriptionKind.SHARED_DURABLE, topic, name, None, prefetch, dedup, max_redeliveries
         )
 
     def _named_consumer(
