@@ -1,6 +1,7 @@
-"""A cancelled aio call leaves the driver whole: cancelling the caller of a commit cancels
-its wait, never the commit, which ends as a threaded one would (the transaction state does
-not stay half-committed), on a STOMP-shaped and an AMQP-shaped link."""
+"""A cancelled aio call leaves the driver whole: cancelling the caller of a commit or of a
+session's close cancels its wait, never the call, which ends as a threaded one would (the
+transaction state does not stay half-committed, a closed session's transaction is rolled
+back), on a STOMP-shaped and an AMQP-shaped link."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hafailover import AckMode, aio
+from hafailover import AckMode, IllegalStateError, aio
 from hafailover.core.waits import CallBudget, Wait
 from hafailover.driver.waits import Steps, blocking
 from tests.aio.test_aio_driver import eventually, run
@@ -55,6 +56,42 @@ def test_a_cancelled_commit_goes_on_and_the_session_commits_again(
             assert [m.text for m in broker.stored("orders")] == ["first", "second"]
 
     run(test)
+
+
+def test_a_cancelled_session_close_goes_on_and_rolls_its_transaction_back(
+    shaped: tuple[FakeBroker, str],
+) -> None:
+    broker, url = shaped
+
+    async def test() -> None:
+        async with await aio.connect(url, link_factory=link_factory(broker)) as connection:
+            session = await connection.create_session(AckMode.SESSION_TRANSACTED)
+            await session.create_producer("queue://orders").send("dropped")
+            with broker.paused():
+                closing = asyncio.ensure_future(session.close())
+                await eventually(
+                    lambda: any(f.command == "ABORT" for f in broker.current().wire),
+                    "the rollback of the close written",
+                )
+                closing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await closing
+            await eventually(lambda: closed(session), "the session closed")
+            assert not broker.current().session.transactions  # rolled back, not left open
+            other = await connection.create_session(AckMode.SESSION_TRANSACTED)
+            await other.create_producer("queue://orders").send("kept")
+            await other.commit()
+            assert [m.text for m in broker.stored("orders")] == ["kept"]
+
+    run(test)
+
+
+def closed(session: aio.AsyncSession) -> bool:
+    try:
+        session.create_producer("queue://orders")
+    except IllegalStateError:
+        return True
+    return False
 
 
 def test_what_a_cancelled_blocking_step_made_is_still_recorded(
