@@ -63,7 +63,7 @@ fault-tools:
 	fi
 
 # A fresh seed each run; HAFAILOVER_CHAOS_SEED=N replays a schedule (make test runs seed 18
-# for 30 s); HAFAILOVER_CHAOS_DURATION sets the length.
+# for 60 s); HAFAILOVER_CHAOS_DURATION sets the length.
 # The nodes' logs of the last run stay in .data/chaos.
 chaos: $(STAMPS)/venv fault-tools
 	HAFAILOVER_CHAOS_DURATION=$${HAFAILOVER_CHAOS_DURATION:-600} \
