@@ -237,11 +237,11 @@ def test_the_final_drain_counts_a_message_once_when_its_connection_fails_over(
 ) -> None:
     """The checker's drain fails over after taking ten messages it has not acknowledged:
     they come again (AMQP always reconnects), and each is counted once. Under load the
-    drain's connection failed over (a missed 250 ms heart-beat) and the DUPS_OK drain it had
-    then counted what it took before the failover twice: one to 308 "duplicates" in half of
-    the runs, never two copies in the journal (F7: DUPS_OK acknowledges are never
-    confirmed). F8 is what makes a drain exact: an acknowledge the failover made stale
-    raises, and those messages are counted when they come again."""
+    drain's connection failed over (its idle timeout, from a 250 ms heart-beat, expired) and
+    the DUPS_OK drain it had then counted what it took before the failover twice: 1 to 308
+    "duplicates" in 6 runs of 11, never two copies in the journal (F7: DUPS_OK acknowledges
+    are never confirmed). F8 is what makes a drain exact: an acknowledge the failover made
+    stale raises, and those messages are counted when they come again."""
     queue = "queue://loss-checker-drain"
     sent = list(range(30))
     with hafailover.connect(url_for(pair, protocol)) as connection:
