@@ -98,9 +98,10 @@ def drain(
     return received
 
 
-# The acknowledged drain's first connection: at 50 ms to 500 ms apart, about ten seconds of
-# attempts (after a takeover the first broker of the URL may be the fenced one, and a failback
-# hand-over still under way leaves neither node listening for a moment).
+# The acknowledged drain's first connection: with the tests' retry intervals (50 ms growing
+# to 250 or 500 ms) about ten seconds of attempts (after a takeover the first broker of the
+# URL may be the fenced one, and a failback hand-over still under way leaves neither node
+# listening for a moment).
 DRAIN_CONNECT_ATTEMPTS = 40
 # How many messages the acknowledged drain takes before one acknowledge.
 DRAIN_ACK_BATCH = 100
