@@ -42,14 +42,12 @@ import attrs
 import hafailover
 from hafailover import (
     AckMode,
-    AcknowledgeFailedError,
     HaFailoverError,
     Message,
     StaleAcknowledgeError,
-    UnblockedError,
 )
 from reference_broker import BrokerPair
-from tests.integration.support import QuietSpell
+from tests.integration.support import drain_acknowledged
 
 from .netns import entered
 
@@ -62,8 +60,6 @@ FAST = {
     "reconnect_attempts": "-1",
 }
 DRAIN_LIMIT = 900.0  # seconds
-# The drain's first connection: at 50 ms to 250 ms apart, about ten seconds of attempts.
-DRAIN_CONNECT_ATTEMPTS = 40
 DEAD_LETTER_QUEUE = "queue://DLQ"  # the node's default --dead-letter-queue
 # How long a call blocked by a failover may wait before it is released.
 CALL_FAILOVER_TIMEOUT = 2.0
@@ -446,57 +442,21 @@ def drain(
     expect: Collection[int] = (),
 ) -> tuple[list[int], list[int]]:
     """Consume everything on ``queue`` through a fresh connection (in ``netns`` if given):
-    (seqs acknowledged, seqs whose acknowledge is in doubt).
+    (seqs acknowledged, seqs whose acknowledge is in doubt), by the integration tests'
+    ``drain_acknowledged``, with a heart-beat of 2 s.
 
     Like the consumers, it counts only what it acknowledged: a drain that fails over gets
     its unacknowledged messages again (a DUPS_OK drain counted them twice: 11 duplicates seen
     once, none of them the broker's), and after a failover it waits longer before it calls
     the queue empty (the wait after a reconnect once ended a drain early: 700 confirmed
-    messages reported lost that were all there). While a seq of ``expect`` (confirmed, not
-    yet received) is missing, a quiet spell must be longer still (QuietSpell, shared with
-    the integration tests' loss checker). A long chaos run leaves tens of thousands:
+    messages reported lost that were all there). A long chaos run leaves tens of thousands:
     it drains until idle however long that is, but fails loudly past DRAIN_LIMIT rather than
-    count the rest as lost. After a takeover the first broker of the URL may be the fenced
-    one (F12: a first connection tries further brokers only as initial_connect_attempts
-    allows), and a failback hand-over still under way leaves neither node listening for a
-    moment: DRAIN_CONNECT_ATTEMPTS span a few seconds. Its heart-beat is 2 s.
+    count the rest as lost.
     """
-    url = with_options(url, heartbeat="2s", initial_connect_attempts=DRAIN_CONNECT_ATTEMPTS)
-    spell = QuietSpell(idle, expect)
-    expected = set(spell.missing)
-    acknowledged: list[int] = []
-    in_doubt: list[int] = []
-    deadline = time.monotonic() + DRAIN_LIMIT
-    with _inside(netns), hafailover.connect(url) as connection:
-        session = connection.create_session(AckMode.CLIENT)
-        consumer = session.create_consumer(queue, prefetch=500)
-        connection.start()
-        pending: list[int] = []
-        failovers = 0
-        while True:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{queue} not drained after {DRAIN_LIMIT}s")
-            message = consumer.receive(spell.wait())
-            if message is not None:
-                spell.received(message)
-                pending.append(int(str(message.properties["seq"])))
-                if len(pending) < 100:
-                    continue
-            if pending:
-                try:
-                    session.acknowledge()
-                    acknowledged += pending
-                except StaleAcknowledgeError:
-                    spell.missing |= expected.intersection(pending)  # they come again
-                except (UnblockedError, AcknowledgeFailedError):
-                    in_doubt += pending
-                pending = []
-                continue
-            now = connection.statistics().failovers
-            if now == failovers:
-                break  # empty, with no failover since the last look
-            failovers = now
-    return acknowledged, in_doubt
+    with _inside(netns):
+        return drain_acknowledged(
+            with_options(url, heartbeat="2s"), queue, idle=idle, limit=DRAIN_LIMIT, expect=expect
+        )
 
 
 def check(
