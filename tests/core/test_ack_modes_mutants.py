@@ -8,6 +8,7 @@ from hafailover.ack_modes import (
     PIPELINED_ACKS,
     AckAction,
     AckMode,
+    FailoverOutcome,
     LinkReliability,
     TransactedAckRules,
     check_link_reliability,
@@ -184,3 +185,43 @@ def test_the_capabilities_of_each_mode() -> None:
     assert by_application == {AckMode.CLIENT, AckMode.CLIENT_INDIVIDUAL}
     assert acknowledged == set(AckMode) - {AckMode.NO_ACKNOWLEDGE}
     assert transacted == {AckMode.SESSION_TRANSACTED}
+
+
+# --- found by the third round (docs/testing.md) ---
+
+
+def test_client_a_message_its_closed_consumer_gave_back_is_acknowledged_once() -> None:
+    # The first acknowledge of it covers what the session held; a second is an acknowledge
+    # of a message acknowledged already, which does nothing (it must not cover later ones).
+    rules = rules_for(AckMode.CLIENT, 1)
+    closed = rules.delivered("t1")
+    rules.delivered("t2")
+    rules.subscription_ended(("t1",))
+    assert rules.acknowledge(closed).tags == ("t2",)
+    rules.delivered("t3")
+    assert rules.acknowledge(closed).action is AckAction.NOTHING
+    assert rules.acknowledge_all().tags == ("t3",)
+
+
+def test_client_individual_says_in_full_why_it_refuses_a_message_given_back() -> None:
+    rules = rules_for(AckMode.CLIENT_INDIVIDUAL, 1)
+    closed = rules.delivered("t1")
+    rules.subscription_ended(("t1",))
+    with pytest.raises(IllegalStateError) as refused:
+        rules.acknowledge(closed)
+    assert str(refused.value) == (
+        "this message's consumer closed before the message was acknowledged: the broker "
+        "took it back and delivers it again (acknowledge before closing the consumer)"
+    )
+
+
+def test_a_failover_that_costs_a_session_nothing_reports_plain_false() -> None:
+    # The outcome goes into the FailoverReport the application reads (SessionFailover.dirty):
+    # False, not merely something false.
+    transacted, _ = _transacted_with_a_delivery()
+    kept = FailoverOutcome(stale=(), dirty=False, discard_prefetched=False)
+    outcome = transacted.failover(reattached=True)
+    assert outcome == kept
+    assert outcome.dirty is False and outcome.discard_prefetched is False
+    assert rules_for(AckMode.NO_ACKNOWLEDGE, 1).failover(reattached=False).dirty is False
+    assert rules_for(AckMode.AUTO, 1).failover(reattached=True) == kept

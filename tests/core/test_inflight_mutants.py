@@ -268,3 +268,23 @@ def test_only_the_first_session_reports_what_a_reattach_replayed() -> None:
     write(core, None)
     plan = core.failover(resumed=True, last_received=0)
     assert [(p.session_id, p.replayed) for p in plan.sessions] == [(1, (1,)), (2, ())]
+
+
+def test_a_reconnect_forgets_what_the_old_sessions_receipts_covered() -> None:
+    # Ids start again at 0 on the new session: a receipt of the old one covers none of them,
+    # so they count as unreceipted (a failback waits for them) and a second reconnect
+    # resends the stamped ones nobody waits for.
+    core = windowed_core()
+    token = core.call(CallKind.SEND, 1)
+    for _ in range(3):
+        write(core, None)  # commands 0..2, sent with confirm=False
+    write(core, token)  # command 3
+    core.answered(token)  # its receipt covers 0..3
+    assert core.unreceipted_commands() == 0
+    core.failover(resumed=False)
+    write(core, None, resendable=True)  # commands 0 and 1 of the new session
+    write(core, None, resendable=True)
+    assert core.unreceipted_commands() == 2
+    assert core.failback_blocker() == "2 command(s) written since the broker's last receipt"
+    plan = core.failover(resumed=False)
+    assert [c.command_id for c in plan.resend_frames] == [0, 1]

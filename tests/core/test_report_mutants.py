@@ -27,3 +27,16 @@ def test_the_summary_of_a_reattach_reads_as_one_line() -> None:
 def test_the_summary_says_reconnected_when_the_session_was_recreated() -> None:
     report = FailoverReport(code=ErrorCode.FAILOVER, reason="reset", from_broker="a", to_broker="b")
     assert report.summary().startswith("failover reconnected a -> b ")
+
+
+def test_the_summary_of_a_failback_says_so() -> None:
+    # A priority failback is a move on purpose: the log line must not read as a failure.
+    report = FailoverReport(
+        code=ErrorCode.FAILOVER,
+        reason="preferred broker is back",
+        from_broker="a",
+        to_broker="b",
+        reattached=False,
+        failback=True,
+    )
+    assert report.summary().startswith("failover failback reconnected a -> b in 0.000s ")
