@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hafailover.ack_modes import AckMode
+from hafailover.core.subscriptions import SubscriptionKind
 from hafailover.core.waits import Wait
 from hafailover.destination import Destination
 from hafailover.driver.browser import Browser
@@ -219,14 +220,14 @@ def create_shared_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_shared_consumer`` as steps (the same options)."""
-    return session._shared_consumer_steps(topic, name, **options)
+    return session._shared_consumer_steps(SubscriptionKind.SHARED, topic, name, **options)
 
 
 def create_shared_durable_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_shared_durable_consumer`` as steps (the same options)."""
-    return session._shared_durable_consumer_steps(topic, name, **options)
+    return session._shared_consumer_steps(SubscriptionKind.SHARED_DURABLE, topic, name, **options)
 
 
 def unsubscribe(session: Session, name: str) -> Steps[None]:

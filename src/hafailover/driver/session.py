@@ -316,23 +316,13 @@ class Session(Transactions):
         return run_steps(
             self.connection,
             self._shared_consumer_steps(
-                topic, name, prefetch=prefetch, dedup=dedup, max_redeliveries=max_redeliveries
+                SubscriptionKind.SHARED,
+                topic,
+                name,
+                prefetch=prefetch,
+                dedup=dedup,
+                max_redeliveries=max_redeliveries,
             ),
-        )
-
-    def _shared_consumer_steps(
-        self,
-        topic: str | Destination,
-        name: str,
-        *,
-        prefetch: int = DEFAULT_PREFETCH,
-        dedup: int | None = None,
-        max_redeliveries: int | None = None,
-    ) -> Steps[Consumer]:
-        """``create_shared_consumer`` as steps; no selector: JMS gives a shared subscription
-        none of its own."""
-        return self._named_consumer(
-            SubscriptionKind.SHARED, topic, name, None, prefetch, dedup, max_redeliveries
         )
 
     def create_shared_durable_consumer(
@@ -348,13 +338,19 @@ class Session(Transactions):
         its consumers and kept by the broker while it has none."""
         return run_steps(
             self.connection,
-            self._shared_durable_consumer_steps(
-                topic, name, prefetch=prefetch, dedup=dedup, max_redeliveries=max_redeliveries
+            self._shared_consumer_steps(
+                SubscriptionKind.SHARED_DURABLE,
+                topic,
+                name,
+                prefetch=prefetch,
+                dedup=dedup,
+                max_redeliveries=max_redeliveries,
             ),
         )
 
-    def _shared_durable_consumer_steps(
+    def _shared_consumer_steps(
         self,
+        kind: SubscriptionKind,
         topic: str | Destination,
         name: str,
         *,
@@ -362,10 +358,9 @@ class Session(Transactions):
         dedup: int | None = None,
         max_redeliveries: int | None = None,
     ) -> Steps[Consumer]:
-        """``create_shared_durable_consumer`` as steps."""
-        return self._named_consumer(
-            SubscriptionKind.SHARED_DURABLE, topic, name, None, prefetch, dedup, max_redeliveries
-        )
+        """``create_shared_consumer`` or ``create_shared_durable_consumer`` as steps; no
+        selector: JMS gives a shared subscription none of its own."""
+        return self._named_consumer(kind, topic, name, None, prefetch, dedup, max_redeliveries)
 
     def _named_consumer(
         self,
