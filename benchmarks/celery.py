@@ -14,6 +14,12 @@ sends per second alone. Brokers:
   HAFAILOVER_RABBITMQ_STOMP_PORT): the hafailover transport over STOMP and over AMQP 1.0,
   and Celery's default transport (py-amqp, AMQP 0-9-1) on the same node.
 
+Two reference rows leave Celery out: a raw py-amqp client (AMQP 0-9-1) and a raw
+python-qpid-proton client (AMQP 1.0) each send N persistent messages of about a task
+message's size, nobody waiting for the broker, while a consumer process (prefetch 16, as the
+worker's 4 threads x 4) appends a line per message and acknowledges it: what RabbitMQ's two
+protocols allow the same work, the AMQP 1.0 plugin's own ratio (raw proton over raw py-amqp).
+
 The ratio is hafailover's figure over py-amqp's on the same RabbitMQ node, measured in the
 same run, runs alternated (best of --repeats). Issue 22's target: >= 0.8 on RabbitMQ. Each
 hafailover configuration runs twice: with every task publish confirmed before the next (the
