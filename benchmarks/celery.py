@@ -14,6 +14,12 @@ sends per second alone. Brokers:
   HAFAILOVER_RABBITMQ_STOMP_PORT): the hafailover transport over STOMP and over AMQP 1.0,
   and Celery's default transport (py-amqp, AMQP 0-9-1) on the same node.
 
+Two reference rows leave Celery out: a raw py-amqp client (AMQP 0-9-1) and a raw
+python-qpid-proton client (AMQP 1.0) each send N persistent messages of about a task
+message's size, nobody waiting for the broker, while a consumer process (prefetch 16, as the
+worker's 4 threads x 4) appends a line per message and acknowledges it: what RabbitMQ's two
+protocols allow the same work, the AMQP 1.0 plugin's own ratio (raw proton over raw py-amqp).
+
 The ratio is hafailover's figure over py-amqp's on the same RabbitMQ node, measured in the
 same run, runs alternated (best of --repeats). Issue 22's target: >= 0.8 on RabbitMQ. Each
 hafailover configuration runs twice: with every task publish confirmed before the next (the
@@ -32,8 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # This file is named celery.py: its own directory must not shadow the celery package.
 HERE = Path(__file__).resolve().parent
@@ -41,7 +49,12 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+import amqp  # noqa: E402 - py-amqp, Celery's default transport's client
 from celery import Celery  # noqa: E402
+from proton import Message as ProtonMessage  # noqa: E402
+from proton import Terminus  # noqa: E402
+from proton.handlers import MessagingHandler  # noqa: E402
+from proton.reactor import Container, LinkOption  # noqa: E402
 
 import hafailover.kombu  # noqa: E402, F401 - registers the "hafailover" transport alias
 from reference_broker.pair import BrokerPair  # noqa: E402
@@ -135,6 +148,161 @@ def measure(broker_url: str, tasks: int, options: dict[str, object], tmp: Path) 
     return {"tasks_per_s": tasks / ran, "sends_per_s": tasks / sent}
 
 
+# --- raw clients, no Celery: what RabbitMQ's two protocols allow the same work --------------
+#
+# One process consumes (prefetch 16, as the worker's 4 threads x multiplier 4), appends a
+# line per message to the runs file and acknowledges it; this process sends the messages
+# (persistent, a body the size of a Celery task message, nobody waiting for the broker).
+
+RAW_PREFETCH = 16
+RAW_BODY = b"x" * 900  # a Celery task message (headers, properties, body) is about 900 bytes
+
+
+def _raw_ran(runs: str) -> None:
+    descriptor = os.open(runs, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(descriptor, b"1\n")
+    finally:
+        os.close(descriptor)
+
+
+def _durable(terminus: Any) -> None:
+    # As hafailover's links to a RabbitMQ queue: a durable queue, kept after the link.
+    terminus.durability = Terminus.DELIVERIES
+    terminus.expiry_policy = Terminus.EXPIRE_NEVER
+
+
+class _DurableSource(LinkOption):
+    def apply(self, link: Any) -> None:
+        _durable(link.source)
+
+
+class _DurableTarget(LinkOption):
+    def apply(self, link: Any) -> None:
+        _durable(link.target)
+
+
+class _ProtonConsumer(MessagingHandler):
+    def __init__(self, url: str, queue: str, runs: str) -> None:
+        super().__init__(prefetch=RAW_PREFETCH, auto_accept=False)
+        self.url, self.queue, self.runs = url, queue, runs
+
+    def on_start(self, event: Any) -> None:
+        connection = event.container.connect(self.url, allowed_mechs="PLAIN")
+        event.container.create_receiver(
+            connection, f"/queue/{self.queue}", options=_DurableSource()
+        )
+
+    def on_message(self, event: Any) -> None:
+        _raw_ran(self.runs)
+        self.accept(event.delivery)
+
+
+class _ProtonSender(MessagingHandler):
+    """Sends ``count`` messages as the link's credit allows; done once the broker settled
+    them all (``sent`` is when the last one was written)."""
+
+    def __init__(self, url: str, queue: str, count: int) -> None:
+        super().__init__()
+        self.url, self.queue, self.count = url, queue, count
+        self.written = self.settled = 0
+        self.start = self.sent = 0.0
+
+    def on_start(self, event: Any) -> None:
+        connection = event.container.connect(self.url, allowed_mechs="PLAIN")
+        event.container.create_sender(connection, f"/queue/{self.queue}", options=_DurableTarget())
+
+    def on_sendable(self, event: Any) -> None:
+        if not self.written:
+            self.start = time.perf_counter()
+        while event.sender.credit and self.written < self.count:
+            event.sender.send(ProtonMessage(body=RAW_BODY, durable=True))
+            self.written += 1
+            if self.written == self.count:
+                self.sent = time.perf_counter()
+
+    def on_settled(self, event: Any) -> None:
+        self.settled += 1
+        if self.settled == self.count:
+            event.connection.close()
+
+
+def raw_consumer(kind: str, url: str, queue: str, runs: str) -> None:
+    if kind == "proton":
+        Container(_ProtonConsumer(url, queue, runs)).run()
+        return
+    connection = amqp.Connection(**_amqp_params(url))
+    connection.connect()
+    channel = connection.channel()
+    channel.queue_declare(queue, durable=True, auto_delete=False)
+    channel.basic_qos(0, RAW_PREFETCH, False)
+
+    def on_message(message: Any) -> None:
+        _raw_ran(runs)
+        channel.basic_ack(message.delivery_tag)
+
+    channel.basic_consume(queue, callback=on_message)
+    while True:
+        connection.drain_events()
+
+
+def _amqp_params(url: str) -> dict[str, Any]:
+    parts = urllib.parse.urlsplit(url)
+    return {
+        "host": f"{parts.hostname}:{parts.port}",
+        "userid": parts.username,
+        "password": parts.password,
+    }
+
+
+def raw_send(kind: str, url: str, queue: str, count: int) -> tuple[float, float]:
+    """Send ``count`` messages: when the first and the last were written (perf_counter)."""
+    if kind == "proton":
+        sender = _ProtonSender(url, queue, count)
+        Container(sender).run()
+        return sender.start, sender.sent
+    connection = amqp.Connection(**_amqp_params(url))
+    connection.connect()
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue, durable=True, auto_delete=False)  # as the consumer does
+        start = time.perf_counter()
+        for _ in range(count):
+            channel.basic_publish(
+                amqp.Message(RAW_BODY, delivery_mode=2), exchange="", routing_key=queue
+            )
+        return start, time.perf_counter()
+    finally:
+        connection.close()
+
+
+def measure_raw(kind: str, url: str, tasks: int, tmp: Path) -> dict[str, float]:
+    """As ``measure``, with the raw clients of ``kind`` (proton: AMQP 1.0, py-amqp: 0-9-1)."""
+    stamp = time.monotonic_ns()
+    runs = tmp / f"runs-{stamp}"
+    queue = f"bench-raw-{stamp}"
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--raw-consumer", kind, url, queue, str(runs)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        raw_send(kind, url, queue, 1)  # the consumer is up, consuming
+        wait_for(runs, 1, 60)
+        start, sent = raw_send(kind, url, queue, tasks)
+        wait_for(runs, tasks + 1, 300)
+        ran = time.perf_counter() - start
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    return {"tasks_per_s": tasks / ran, "sends_per_s": tasks / (sent - start)}
+
+
 def rabbitmq_ports() -> tuple[int, int]:
     amqp = int(os.environ.get("HAFAILOVER_RABBITMQ_AMQP_PORT", "5672"))
     stomp = int(os.environ.get("HAFAILOVER_RABBITMQ_STOMP_PORT", "61613"))
@@ -155,10 +323,16 @@ def rabbitmq_ports() -> tuple[int, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--raw-consumer", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="fewer tasks and one run")
     parser.add_argument("--tasks", type=int, help="tasks per run (2000; --quick 500)")
     parser.add_argument("--repeats", type=int, help="alternated runs, best kept (2; --quick 1)")
     parser.add_argument("--no-pair", action="store_true", help="RabbitMQ only")
+    parser.add_argument("--no-rabbitmq", action="store_true", help="the bundled pair only")
+    parser.add_argument("--no-raw", action="store_true", help="without the raw client rows")
+    parser.add_argument(
+        "--only", action="append", default=[], help="only rows whose name has this (repeatable)"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if args.worker:
@@ -169,27 +343,32 @@ def main() -> int:
             ]
         )
         return 0
+    if args.raw_consumer:
+        raw_consumer(*args.raw_consumer)
+        return 0
     tasks = args.tasks or (500 if args.quick else 2000)
     repeats = args.repeats or (1 if args.quick else 2)
-    amqp_port, stomp_port = rabbitmq_ports()
-    rabbit = "guest:guest@127.0.0.1"
     confirmed: dict[str, object] = {}
     pipelined: dict[str, object] = {"confirm_publish": False}
-    configurations = [
-        ("rabbitmq py-amqp", f"pyamqp://{rabbit}:{amqp_port}//", {}),
-        ("rabbitmq hafailover stomp", f"hafailover+stomp://{rabbit}:{stomp_port}", confirmed),
-        (
-            "rabbitmq hafailover stomp unconfirmed",
-            f"hafailover+stomp://{rabbit}:{stomp_port}",
-            pipelined,
-        ),
-        ("rabbitmq hafailover amqp", f"hafailover+amqp://{rabbit}:{amqp_port}", confirmed),
-        (
-            "rabbitmq hafailover amqp unconfirmed",
-            f"hafailover+amqp://{rabbit}:{amqp_port}",
-            pipelined,
-        ),
-    ]
+    # (name, broker URL, transport options, raw client or None: Celery)
+    configurations: list[tuple[str, str, dict[str, object], str | None]] = []
+    if not args.no_rabbitmq:
+        amqp_port, stomp_port = rabbitmq_ports()
+        rabbit = "guest:guest@127.0.0.1"
+        stomp = f"hafailover+stomp://{rabbit}:{stomp_port}"
+        amqp10 = f"hafailover+amqp://{rabbit}:{amqp_port}"
+        configurations += [
+            ("rabbitmq py-amqp", f"pyamqp://{rabbit}:{amqp_port}//", {}, None),
+            ("rabbitmq hafailover stomp", stomp, confirmed, None),
+            ("rabbitmq hafailover stomp unconfirmed", stomp, pipelined, None),
+            ("rabbitmq hafailover amqp", amqp10, confirmed, None),
+            ("rabbitmq hafailover amqp unconfirmed", amqp10, pipelined, None),
+        ]
+        if not args.no_raw:
+            configurations += [
+                ("rabbitmq raw py-amqp, no Celery", f"amqp://{rabbit}:{amqp_port}", {}, "py-amqp"),
+                ("rabbitmq raw proton, no Celery", f"amqp://{rabbit}:{amqp_port}", {}, "proton"),
+            ]
     best: dict[str, dict[str, float]] = {}
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-celery-")))
@@ -198,36 +377,64 @@ def main() -> int:
             pair.wait_synchronized(30)
             for protocol, url in (("stomp", pair.stomp_url), ("amqp", pair.amqp_url)):
                 configurations += [
-                    (f"pair hafailover {protocol}", f"hafailover+{url}", confirmed),
-                    (f"pair hafailover {protocol} unconfirmed", f"hafailover+{url}", pipelined),
+                    (f"pair hafailover {protocol}", f"hafailover+{url}", confirmed, None),
+                    (
+                        f"pair hafailover {protocol} unconfirmed",
+                        f"hafailover+{url}",
+                        pipelined,
+                        None,
+                    ),
                 ]
+        if args.only:
+            configurations = [c for c in configurations if any(o in c[0] for o in args.only)]
         for _ in range(repeats):
-            for name, url, options in configurations:
-                figures = measure(url, tasks, dict(options), tmp)
+            for name, url, options, raw in configurations:
+                if raw is None:
+                    figures = measure(url, tasks, dict(options), tmp)
+                else:
+                    figures = measure_raw(raw, url, tasks, tmp)
                 kept = best.setdefault(name, figures)
                 if figures["tasks_per_s"] > kept["tasks_per_s"]:
                     best[name] = figures
                 print(
                     f"{name:40s} {figures['tasks_per_s']:8.0f} tasks/s "
-                    f"(sends {figures['sends_per_s']:6.0f}/s)",
+                    f"(sends {figures['sends_per_s']:6.0f}/s, load {os.getloadavg()[0]:.1f})",
                     file=sys.stderr,
                     flush=True,
                 )
-    base = best["rabbitmq py-amqp"]["tasks_per_s"]
-    result = {
-        name: {**figures, "ratio_to_py_amqp": figures["tasks_per_s"] / base}
+    base_figures = best.get("rabbitmq py-amqp")
+    base = base_figures["tasks_per_s"] if base_figures else None
+    raw_base = best.get("rabbitmq raw py-amqp, no Celery")
+    result: dict[str, dict[str, float | None]] = {
+        name: {
+            **figures,
+            "ratio_to_py_amqp": (
+                (figures["tasks_per_s"] / raw_base["tasks_per_s"] if raw_base else None)
+                if name.startswith("rabbitmq raw")
+                else (figures["tasks_per_s"] / base if base else None)
+            ),
+        }
         for name, figures in best.items()
     }
+    load = os.getloadavg()
     if args.json:
-        print(json.dumps({"tasks": tasks, "repeats": repeats, "figures": result}, indent=2))
+        print(
+            json.dumps(
+                {"tasks": tasks, "repeats": repeats, "load": load, "figures": result}, indent=2
+            )
+        )
     else:
         print(
-            f"{tasks} tasks per run, best of {repeats}; ratio: tasks/s over py-amqp's on RabbitMQ"
+            f"{tasks} tasks per run, best of {repeats}; ratio: tasks/s over py-amqp's on "
+            f"RabbitMQ (raw rows: over raw py-amqp's); load average at the end "
+            f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
         )
-        for name, figures in result.items():
+        for name, row in result.items():
+            ratio = row["ratio_to_py_amqp"]
             print(
-                f"  {name:40s} {figures['tasks_per_s']:8.0f} tasks/s  "
-                f"sends {figures['sends_per_s']:6.0f}/s  ratio {figures['ratio_to_py_amqp']:.2f}"
+                f"  {name:40s} {row['tasks_per_s'] or 0:8.0f} tasks/s  "
+                f"sends {row['sends_per_s'] or 0:6.0f}/s  "
+                f"ratio {'-' if ratio is None else f'{ratio:.2f}'}"
             )
     return 0
 

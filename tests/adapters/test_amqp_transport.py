@@ -625,6 +625,7 @@ class ScriptedPeer(proton.Handler):
         self.product = product
         self.refusal = refusal
         self.attaches: list[tuple[str, int, int]] = []
+        self.transfers: list[bool] = []  # whether each transfer came settled
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port: int = probe.getsockname()[1]
@@ -692,6 +693,7 @@ class ScriptedPeer(proton.Handler):
         assert delivery is not None
         link = delivery.link
         if link.is_receiver and not delivery.partial:
+            self.transfers.append(delivery.settled)
             link.recv(delivery.pending)
             link.advance()
             delivery.update(proton.Delivery.ACCEPTED)
@@ -760,6 +762,30 @@ def test_queues_elsewhere_keep_the_default_terminus(
     assert [a for a, _, _ in peer.attaches] == ["queue://orders", "queue://orders"]
     assert all(d == Terminus.NONDURABLE for _, d, _ in peer.attaches)
     transport.close()
+
+
+@pytest.mark.parametrize("product", ["RabbitMQ", None])
+def test_sends_nobody_waits_for_go_settled_on_rabbitmq_only(
+    scripted: Callable[..., ScriptedPeer], product: str | None
+) -> None:
+    # No token: nobody waits for the send. On RabbitMQ it goes pre-settled (as a 0-9-1
+    # publish without confirms: no disposition per message); a confirmed one stays
+    # unsettled everywhere, and elsewhere so does every send (the reference broker's credit
+    # follows its confirmations).
+    peer = scripted(product=product)
+    events = Recorder()
+    transport = AmqpTransport(events)
+    transport.open(peer.address)
+    queue = Destination.queue("orders")
+    transport.send(None, queue, Message(b"a"), duplicate_detection=False)
+    transport.send(1, queue, Message(b"b"), duplicate_detection=False)
+    transport.send(None, queue, Message(b"c"), duplicate_detection=False)
+    events.wait(lambda: 1 in events.settled and len(peer.transfers) == 3)
+    assert peer.transfers == ([True, False, True] if product else [False, False, False])
+    assert events.settled[1] is None
+    transport.close()
+    assert not events.lost
+    assert not events.errors
 
 
 def test_a_refusal_that_ends_the_session_goes_to_the_refused_send(

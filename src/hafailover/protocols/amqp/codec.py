@@ -105,7 +105,11 @@ def encode_message(
         properties[DUPLICATE_ID] = message_id  # Artemis reads this one
     if properties:
         out.properties = properties  # type: ignore[assignment] # proton annotates only None
-    payload: bytes = _encode(out, 256 + len(message.body_bytes) + 64 * len(properties))
+    # Strings are most of a message's properties (a kombu envelope is ~1 KiB of JSON): their
+    # length is in the estimate, so one encoding is enough.
+    estimate = 256 + len(message.body_bytes) + 64 * len(properties)
+    estimate += sum(len(v) for v in properties.values() if isinstance(v, str))
+    payload: bytes = _encode(out, estimate)
     return payload
 
 

@@ -336,6 +336,7 @@ class AmqpEngine:
         self.heartbeat = heartbeat
         self.tls = tls or TlsOptions()
         self.broker: BrokerAddress | None = None
+        self._broker_redacted = "broker"  # named in every error: rendered once
         self.serial = next(_TRANSPORT_SERIALS)
         self.state = _State.NEW
         self._outbox: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
@@ -383,6 +384,7 @@ class AmqpEngine:
             raise IllegalStateError("an AMQP connection opens once; make a new one")
         self.state = _State.OPENING
         self.broker = broker
+        self._broker_redacted = broker.redacted()
         opening: Pending[Opened] = Pending(f"open {broker.redacted()}", NotConnectedError)
         self._opening = opening
         try:
@@ -572,11 +574,26 @@ class AmqpEngine:
             raise IllegalStateError("the transaction was declared on another connection")
 
     def transfer(
-        self, token: int, address: str, durable: bool, payload: bytes, tx: AmqpTransaction | None
+        self,
+        token: int | None,
+        address: str,
+        durable: bool,
+        payload: bytes,
+        tx: AmqpTransaction | None,
     ) -> None:
-        """Send an encoded message; its outcome arrives as ``on_settled(token, ...)``."""
+        """Send an encoded message; its outcome arrives as ``on_settled(token, ...)``.
+
+        No token: a send nobody waits for (unconfirmed, outside a transaction). On RabbitMQ
+        it goes pre-settled, as an AMQP 0-9-1 publish without confirms does: sent unsettled,
+        the AMQP 1.0 plugin confirms it internally and writes a disposition that nobody
+        reads, which costs the broker and this connection's reader a frame per message.
+        Either way the client keeps nothing of it (an AMQP link has no confirmation window)
+        and a loss leaves it in doubt. Elsewhere it stays unsettled: the reference broker
+        tops a producer's credit up as its transfers are confirmed (its flow control) and
+        can only end the link to refuse a pre-settled one."""
         self._require_open()
         self.check_transaction(tx)
+        settled = token is None and tx is None and self._dialect is _Dialect.RABBITMQ
         with map_errors(self._broker_text()):
             sender = self._sender_for(address, durable)
             delivery = sender.delivery(str(next(self._names)))
@@ -585,7 +602,10 @@ class AmqpEngine:
                 _set_state(delivery, TRANSACTIONAL_STATE, [tx.txn_id])
             sender.stream(payload)
             sender.advance()
-        self._outgoing[delivery] = token
+            if settled:
+                delivery.settle()  # written settled, once the link has credit
+                return
+        self._outgoing[delivery] = 0 if token is None else token  # 0: reported, not awaited
 
     def _sender_for(self, address: str, durable: bool) -> Sender:
         sender = self._senders.get(address)
@@ -594,7 +614,10 @@ class AmqpEngine:
             sender.target.address = address
             if durable:
                 _make_durable(sender.target)
-            sender.snd_settle_mode = Link.SND_UNSETTLED
+            # Mixed on RabbitMQ: sends nobody waits for go settled there (``transfer``).
+            sender.snd_settle_mode = (
+                Link.SND_MIXED if self._dialect is _Dialect.RABBITMQ else Link.SND_UNSETTLED
+            )
             sender.rcv_settle_mode = Link.RCV_FIRST
             sender.open()
             self._senders[address] = sender
@@ -909,7 +932,7 @@ class AmqpEngine:
         return self._session
 
     def _broker_text(self) -> str:
-        return self.broker.redacted() if self.broker is not None else "broker"
+        return self._broker_redacted
 
     def _emit(self, callback: Callable[..., None], *args: Any) -> None:
         self._outbox.append((callback, args))

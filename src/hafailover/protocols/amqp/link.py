@@ -66,7 +66,7 @@ class AmqpLink:
         self, destination: Destination, message: Message, *, tx: object, token: int | None
     ) -> int:
         self._transport.send(
-            0 if token is None else token,
+            token,
             destination,
             message,
             duplicate_detection=self.policy.duplicate_detection,

@@ -95,6 +95,7 @@ class AmqpTransport:
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
         self.broker: BrokerAddress | None = None
+        self._broker_redacted = "broker"  # named in every error: rendered once
         self._engine = AmqpEngine(events, heartbeat=heartbeat, tls=tls, container_id=container_id)
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
@@ -123,6 +124,7 @@ class AmqpTransport:
         with self._lock:
             opening = self._engine.start(broker)
         self.broker = broker
+        self._broker_redacted = broker.redacted()
         try:
             sock = socket.create_connection(
                 (broker.host, broker.port), timeout=self.connect_timeout
@@ -159,14 +161,15 @@ class AmqpTransport:
 
     def send(
         self,
-        token: int,
+        token: int | None,
         destination: Destination,
         message: Message,
         *,
         duplicate_detection: bool,
         tx: AmqpTransaction | None = None,
     ) -> int:
-        """Send without waiting; the broker's outcome arrives as ``on_settled(token, ...)``.
+        """Send without waiting; the broker's outcome arrives as ``on_settled(token, ...)``
+        (None: nobody waits for it, ``AmqpEngine.transfer``; any outcome comes as token 0).
 
         Returns the size of the encoded message in bytes."""
         engine = self._engine
@@ -508,4 +511,4 @@ class AmqpTransport:
                 sock.close()
 
     def _broker_text(self) -> str:
-        return self.broker.redacted() if self.broker is not None else "broker"
+        return self._broker_redacted
