@@ -310,6 +310,8 @@ def _check_not_negative(_: object, attribute: attrs.Attribute[int], value: int) 
 
 
 DEFAULT_DUPLICATE_ID_RETENTION: Final = 3600.0  # seconds
+DEFAULT_MAX_DELIVERY_ATTEMPTS: Final = 10  # failed deliveries before the dead-letter queue
+DEFAULT_DEAD_LETTER_QUEUE: Final = "queue://DLQ"
 DEFAULT_DUPLICATE_ID_MAX_BYTES: Final = 64 * 1024 * 1024  # per address
 DUPLICATE_ID_OVERHEAD: Final = 64  # bytes counted per id besides its UTF-8 length
 
@@ -345,8 +347,12 @@ class EngineConfig:
     survive a restart).
     """
 
-    max_delivery_attempts: int | None = attrs.field(default=10, validator=_check_positive_or_none)
-    dead_letter_queue: str | None = attrs.field(default="queue://DLQ", validator=_check_config_dlq)
+    max_delivery_attempts: int | None = attrs.field(
+        default=DEFAULT_MAX_DELIVERY_ATTEMPTS, validator=_check_positive_or_none
+    )
+    dead_letter_queue: str | None = attrs.field(
+        default=DEFAULT_DEAD_LETTER_QUEUE, validator=_check_config_dlq
+    )
     duplicate_cache_size: int = attrs.field(default=20_000, validator=_check_not_negative)
     duplicate_id_retention: float = attrs.field(
         default=DEFAULT_DUPLICATE_ID_RETENTION, validator=_check_retention

@@ -79,9 +79,11 @@ from reference_broker.core import (
     ServeConfig,
 )
 from reference_broker.engine import (
+    DEFAULT_DEAD_LETTER_QUEUE,
     DEFAULT_DUPLICATE_ID_MAX_BYTES,
     DEFAULT_DUPLICATE_ID_RETENTION,
     DEFAULT_MAX_ADDRESS_BYTES,
+    DEFAULT_MAX_DELIVERY_ATTEMPTS,
     MESSAGE_OVERHEAD,
     AddressFullPolicy,
     AddressLimit,
@@ -186,8 +188,8 @@ class NodeConfig:
     duplicate_id_max_bytes: int = DEFAULT_DUPLICATE_ID_MAX_BYTES
     # Poison messages (docs/client.md): a message whose delivery failed this many times goes
     # to the dead-letter queue (0: never); both nodes must agree, as the pair's options do.
-    max_delivery_attempts: int = 10
-    dead_letter_queue: str = "queue://DLQ"
+    max_delivery_attempts: int = DEFAULT_MAX_DELIVERY_ATTEMPTS
+    dead_letter_queue: str = DEFAULT_DEAD_LETTER_QUEUE
     # What each address may hold, and what a send to a full one meets (engine.AddressLimit);
     # address_limits: exceptions for single addresses.
     address_limit: AddressLimit = attrs.field(factory=AddressLimit)
@@ -1447,14 +1449,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-delivery-attempts",
         type=delivery_attempts,
-        default=10,
+        default=DEFAULT_MAX_DELIVERY_ATTEMPTS,
         help="failed deliveries after which a message goes to the dead-letter queue "
         "(default: 10; 0: never)",
     )
     p.add_argument(
         "--dead-letter-queue",
         type=dead_letter_queue,
-        default="queue://DLQ",
+        default=DEFAULT_DEAD_LETTER_QUEUE,
         help="where messages go after their last failed delivery or when a client rejects "
         "them (default: queue://DLQ)",
     )

@@ -47,6 +47,7 @@ from hafailover import (
     StaleAcknowledgeError,
 )
 from reference_broker import BrokerPair
+from reference_broker.engine import DEFAULT_DEAD_LETTER_QUEUE
 from tests.integration.support import drain_acknowledged
 
 from .netns import entered
@@ -60,7 +61,6 @@ FAST = {
     "reconnect_attempts": "-1",
 }
 DRAIN_LIMIT = 900.0  # seconds
-DEAD_LETTER_QUEUE = "queue://DLQ"  # the node's default --dead-letter-queue
 # How long a call blocked by a failover may wait before it is released.
 CALL_FAILOVER_TIMEOUT = 2.0
 
@@ -108,6 +108,9 @@ class Client(threading.Thread):
         self.longest_stall = 0.0
         self.longest_stall_at = 0.0
         self.failovers = 0
+        # Failovers that made a new session (not a reattach): each one counts a consumer's
+        # held deliveries as failed attempts on the pair (the dead-letter rule).
+        self.reconnects = 0
         self.error: str | None = None  # the traceback that ended the thread
         self.connection: hafailover.Connection | None = None
 
@@ -122,7 +125,9 @@ class Client(threading.Thread):
                 try:
                     self.work(connection)
                 finally:
-                    self.failovers = connection.statistics().failovers
+                    statistics = connection.statistics()
+                    self.failovers = statistics.failovers
+                    self.reconnects = statistics.failovers - statistics.reattached
         except BaseException:  # noqa: BLE001 - reported by stop_all
             self.error = traceback.format_exc()
 
@@ -368,6 +373,7 @@ class Receiver(Protocol):
     acknowledged: list[int]
     in_doubt: list[int]
     failovers: int
+    reconnects: int
     longest_stall: float
 
 
@@ -476,16 +482,15 @@ def check(
     drained, drained_in_doubt = drain(url, queue, netns=netns, expect=expect)
     in_doubt = consumers_in_doubt | set(drained_in_doubt)
     missing = confirmed - set(acknowledged) - set(drained) - in_doubt
-    dead: set[int] = set()
-    if missing:
-        # Not on the queue: the pair's poison rule may have moved them (DEAD_LETTER_QUEUE,
-        # the node's default); only this run's seqs count.
-        letters, letters_in_doubt = drain(url, DEAD_LETTER_QUEUE, netns=netns, idle=1.0)
-        dead = missing & (set(letters) | set(letters_in_doubt))
+    # Not on the queue: the pair's poison rule may have moved them (the node's default
+    # dead-letter queue). Read even when nothing is missing: a copy there beside one received
+    # is a duplicate, and one never sent is unexpected.
+    letters, letters_in_doubt = drain(url, DEFAULT_DEAD_LETTER_QUEUE, netns=netns, idle=1.0)
+    dead = missing & (set(letters) | set(letters_in_doubt))
     handed = {seq for c in consumers for seq in c.handed}
     attempted = {seq for p in producers for seq in p.attempted}
     received = acknowledged + drained
-    counts = collections.Counter(received)
+    counts = collections.Counter(received + letters)
     clients: list[Any] = [*producers, *consumers]
     return Verdict(
         attempted=len(attempted),
@@ -494,7 +499,7 @@ def check(
         drained=len(drained),
         lost=sorted(confirmed - set(received) - in_doubt - dead),
         dead_lettered=sorted(dead),
-        unexpected=sorted((set(received) | handed) - attempted),
+        unexpected=sorted((set(received) | handed | set(letters)) - attempted),
         duplicates={seq: n for seq, n in counts.items() if n > 1},
         longest_stall=max((c.longest_stall for c in clients), default=0.0),
         failovers=sum(c.failovers for c in clients),

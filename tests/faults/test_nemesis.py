@@ -15,11 +15,10 @@ import secrets
 import time
 from pathlib import Path
 
-import attrs
 import pytest
 
 from reference_broker import BrokerPair
-from reference_broker.node import NodeConfig
+from reference_broker.engine import DEFAULT_MAX_DELIVERY_ATTEMPTS
 
 from .clients import AckConsumer, ConfirmedProducer, TransactedProducer, check, stop_all
 from .conftest import pair_on
@@ -28,7 +27,6 @@ from .netns import Network
 from .test_network_faults import url_for, wait_until
 
 DURATION = float(os.environ.get("HAFAILOVER_CHAOS_DURATION", "60"))
-MAX_DELIVERY_ATTEMPTS = attrs.fields(NodeConfig).max_delivery_attempts.default  # the pair's
 # make test runs one fixed schedule (a failing test is then a change in the code, not a
 # new draw); ``make chaos`` draws a fresh seed ("random") unless one is given.
 _SEED = os.environ.get("HAFAILOVER_CHAOS_SEED", "18")
@@ -118,9 +116,10 @@ def _run_schedule(fault_pair: BrokerPair, network: Network, protocol: str) -> No
                     f"{client.name} raised at t+{event.at - started:.3f}s {event.code}: "
                     f"{event.text[:200]}"
                 )
-    # A consumer that fails over as often as the pair's --max-delivery-attempts can see a
-    # message it held each time reach that limit, as Artemis counts a failed connection's
-    # deliveries (docs/reliability.md): the poison rule at work, counted apart (each one a
-    # confirmed send found in the dead-letter queue), not a loss. Fewer failovers than
-    # that, and nothing may be dead-lettered.
-    verdict.assert_clean(dead_letters_allowed=consumer.failovers >= MAX_DELIVERY_ATTEMPTS)
+    # A consumer whose failovers made a new session as often as the pair's
+    # --max-delivery-attempts can see a message it held each time reach that limit, as
+    # Artemis counts a failed connection's deliveries (docs/reliability.md): the poison rule
+    # at work, counted apart (each one a confirmed send found in the dead-letter queue), not
+    # a loss. Fewer such failovers (a STOMP reattach counts nothing), and nothing may be
+    # dead-lettered.
+    verdict.assert_clean(dead_letters_allowed=consumer.reconnects >= DEFAULT_MAX_DELIVERY_ATTEMPTS)

@@ -293,6 +293,9 @@ class AckingConsumer(threading.Thread):
         self.stale = 0
         self.longest_stall = 0.0
         self.failovers = 0
+        # Failovers that made a new session (not a reattach): each one counts the deliveries
+        # the consumer held as failed attempts on the pair (the dead-letter rule).
+        self.reconnects = 0
         self.error: str | None = None
 
     def run(self) -> None:
@@ -316,7 +319,9 @@ class AckingConsumer(threading.Thread):
                         pending = []
                 if pending:
                     self._acknowledge(session, pending)
-                self.failovers = connection.statistics().failovers
+                statistics = connection.statistics()
+                self.failovers = statistics.failovers
+                self.reconnects = statistics.failovers - statistics.reattached
         except BaseException:  # noqa: BLE001 - reported by the test
             self.error = traceback.format_exc()
 

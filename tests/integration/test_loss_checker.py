@@ -37,6 +37,7 @@ from hafailover import (
     TransactionRolledBackError,
 )
 from reference_broker import BrokerPair
+from reference_broker.engine import DEFAULT_DEAD_LETTER_QUEUE, DEFAULT_MAX_DELIVERY_ATTEMPTS
 from reference_broker.pair import NodeProcess
 
 from .support import (
@@ -57,7 +58,6 @@ STOP_CYCLES = 5
 TX_BATCH = 20
 # Traffic between a restart (or the start) and the next kill.
 TRAFFIC_TIME = 1.0
-DEAD_LETTER_QUEUE = "queue://DLQ"  # the node's default --dead-letter-queue
 
 
 class Producer(threading.Thread):
@@ -188,11 +188,11 @@ def _check_under(pair: BrokerPair, protocol: str, fault: str, cycles: int) -> No
     # Jepsen's "recovered": an in-doubt acknowledge may have been taken by the broker, so its
     # messages count as received for losses; duplicates only count certain receipts.
     missing = committed_set - set(received) - in_doubt
-    letters: list[int] = []
-    letters_in_doubt: list[int] = []
-    if missing:
-        # Not on the queue: the pair's poison rule may have moved them.
-        letters, letters_in_doubt = drain_acknowledged(drain_url, DEAD_LETTER_QUEUE, expect=missing)
+    # Not on the queue: the pair's poison rule may have moved them. Read even when nothing
+    # is missing: a copy there beside one acknowledged is a duplicate.
+    letters, letters_in_doubt = drain_acknowledged(
+        drain_url, DEFAULT_DEAD_LETTER_QUEUE, expect=missing
+    )
     dead_lettered = sorted(missing & set(letters + letters_in_doubt))
     lost = sorted(missing - set(dead_lettered))
     unexpected = sorted(set(received + consumer.handed + letters) - producer.attempted)
@@ -211,6 +211,11 @@ def _check_under(pair: BrokerPair, protocol: str, fault: str, cycles: int) -> No
     )
     # Every kill of the live, and every failback, moved both clients.
     assert producer.failovers >= cycles and consumer.failovers >= cycles
+    # A message goes to the dead-letter queue by failovers alone only once the consumer's
+    # new sessions counted it as failed that many times.
+    assert not dead_lettered or consumer.reconnects >= DEFAULT_MAX_DELIVERY_ATTEMPTS, (
+        f"dead-lettered after {consumer.reconnects} reconnects: {dead_lettered[:50]}"
+    )
     assert len(producer.committed) == len(committed_set), "a seq committed twice"
     handed = set(consumer.handed)
     assert lost == [], f"lost: {lost[:50]}, of which handed to the consumer once: " + str(

@@ -605,7 +605,7 @@ class AmqpEngine:
             if settled:
                 delivery.settle()  # written settled, once the link has credit
                 return
-        self._outgoing[delivery] = 0 if token is None else token  # 0: reported, not awaited
+        self._outgoing[delivery] = 0 if token is None else token  # 0: nobody waits for it
 
     def _sender_for(self, address: str, durable: bool) -> Sender:
         sender = self._senders.get(address)
