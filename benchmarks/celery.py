@@ -97,9 +97,10 @@ def wait_for(path: Path, count: int, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def worker(env: dict[str, str]) -> Iterator[None]:
+def child(*args: str, env: dict[str, str] | None = None) -> Iterator[None]:
+    """This script run again with ``args`` (the worker, a raw consumer) for the block."""
     process = subprocess.Popen(
-        [sys.executable, __file__, "--worker"],
+        [sys.executable, __file__, *args],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -134,7 +135,7 @@ def measure(broker_url: str, tasks: int, options: dict[str, object], tmp: Path) 
         broker_transport_options=options,
         broker_connection_retry_on_startup=True,
     )
-    with worker(env):
+    with child("--worker", env=env):
         with client.producer_or_acquire() as producer:
             client.send_task("noop", (-1,), producer=producer)  # the worker is up, consuming
             wait_for(runs, 1, 60)
@@ -281,25 +282,12 @@ def measure_raw(kind: str, url: str, tasks: int, tmp: Path) -> dict[str, float]:
     stamp = time.monotonic_ns()
     runs = tmp / f"runs-{stamp}"
     queue = f"bench-raw-{stamp}"
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--raw-consumer", kind, url, queue, str(runs)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
+    with child("--raw-consumer", kind, url, queue, str(runs)):
         raw_send(kind, url, queue, 1)  # the consumer is up, consuming
         wait_for(runs, 1, 60)
         start, sent = raw_send(kind, url, queue, tasks)
         wait_for(runs, tasks + 1, 300)
         ran = time.perf_counter() - start
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
     return {"tasks_per_s": tasks / ran, "sends_per_s": tasks / (sent - start)}
 
 
