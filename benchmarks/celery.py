@@ -14,11 +14,12 @@ sends per second alone. Brokers:
   HAFAILOVER_RABBITMQ_STOMP_PORT): the hafailover transport over STOMP and over AMQP 1.0,
   and Celery's default transport (py-amqp, AMQP 0-9-1) on the same node.
 
-Two reference rows leave Celery out: a raw py-amqp client (AMQP 0-9-1) and a raw
-python-qpid-proton client (AMQP 1.0) each send N persistent messages of about a task
-message's size, nobody waiting for the broker, while a consumer process (prefetch 16, as the
-worker's 4 threads x 4) appends a line per message and acknowledges it: what RabbitMQ's two
-protocols allow the same work, the AMQP 1.0 plugin's own ratio (raw proton over raw py-amqp).
+Three reference rows leave Celery out: a raw py-amqp client (AMQP 0-9-1), a raw
+python-qpid-proton client (AMQP 1.0) and a raw stomp.py client (STOMP 1.2) each send N
+persistent messages of about a task message's size, nobody waiting for the broker, while a
+consumer process (prefetch 16, as the worker's 4 threads x 4) appends a line per message and
+acknowledges it: what RabbitMQ's protocols allow the same work, each plugin's own ratio (raw
+proton or raw stomp.py over raw py-amqp).
 
 The ratio is hafailover's figure over py-amqp's on the same RabbitMQ node, measured in the
 same run, runs alternated (best of --repeats). Issue 22's target: >= 0.8 on RabbitMQ. Each
@@ -50,6 +51,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 import amqp  # noqa: E402 - py-amqp, Celery's default transport's client
+import stomp  # noqa: E402
 from celery import Celery  # noqa: E402
 from proton import Message as ProtonMessage  # noqa: E402
 from proton import Terminus  # noqa: E402
@@ -228,10 +230,43 @@ class _ProtonSender(MessagingHandler):
             event.connection.close()
 
 
+def _stomp_connection(url: str, listener: Any = None) -> Any:
+    parts = urllib.parse.urlsplit(url)
+    # RabbitMQ reads STOMP's host header as the virtual host: "/", not the address
+    connection = stomp.Connection12(
+        [(parts.hostname, parts.port)], heartbeats=(0, 0), vhost="/", auto_decode=False
+    )
+    if listener is not None:
+        connection.set_listener("raw", listener)
+    connection.connect(parts.username, parts.password, wait=True)
+    return connection
+
+
+class _StompConsumer(stomp.ConnectionListener):  # type: ignore[misc]
+    def __init__(self, runs: str) -> None:
+        self.runs = runs
+        self.connection: Any = None
+
+    def on_message(self, frame: Any) -> None:
+        _raw_ran(self.runs)
+        self.connection.ack(frame.headers["ack"])
+
+
 def raw_consumer(kind: str, url: str, queue: str, runs: str) -> None:
     if kind == "proton":
         Container(_ProtonConsumer(url, queue, runs)).run()
         return
+    if kind == "stomp.py":
+        listener = _StompConsumer(runs)
+        listener.connection = _stomp_connection(url, listener)
+        listener.connection.subscribe(
+            f"/queue/{queue}",
+            id="raw",
+            ack="client-individual",
+            headers={"prefetch-count": str(RAW_PREFETCH)},
+        )
+        while True:
+            time.sleep(3600)  # stomp.py's receiver thread consumes
     connection = amqp.Connection(**_amqp_params(url))
     connection.connect()
     channel = connection.channel()
@@ -262,6 +297,15 @@ def raw_send(kind: str, url: str, queue: str, count: int) -> tuple[float, float]
         sender = _ProtonSender(url, queue, count)
         Container(sender).run()
         return sender.start, sender.sent
+    if kind == "stomp.py":
+        client = _stomp_connection(url)
+        try:
+            start = time.perf_counter()
+            for _ in range(count):
+                client.send(f"/queue/{queue}", RAW_BODY, headers={"persistent": "true"})
+            return start, time.perf_counter()
+        finally:
+            client.disconnect()  # with a receipt: after the broker read every SEND
     connection = amqp.Connection(**_amqp_params(url))
     connection.connect()
     try:
@@ -278,7 +322,8 @@ def raw_send(kind: str, url: str, queue: str, count: int) -> tuple[float, float]
 
 
 def measure_raw(kind: str, url: str, tasks: int, tmp: Path) -> dict[str, float]:
-    """As ``measure``, with the raw clients of ``kind`` (proton: AMQP 1.0, py-amqp: 0-9-1)."""
+    """As ``measure``, with the raw clients of ``kind`` (proton: AMQP 1.0, py-amqp: 0-9-1,
+    stomp.py: STOMP 1.2)."""
     stamp = time.monotonic_ns()
     runs = tmp / f"runs-{stamp}"
     queue = f"bench-raw-{stamp}"
@@ -356,6 +401,12 @@ def main() -> int:
             configurations += [
                 ("rabbitmq raw py-amqp, no Celery", f"amqp://{rabbit}:{amqp_port}", {}, "py-amqp"),
                 ("rabbitmq raw proton, no Celery", f"amqp://{rabbit}:{amqp_port}", {}, "proton"),
+                (
+                    "rabbitmq raw stomp.py, no Celery",
+                    f"stomp://{rabbit}:{stomp_port}",
+                    {},
+                    "stomp.py",
+                ),
             ]
     best: dict[str, dict[str, float]] = {}
     with contextlib.ExitStack() as stack:
