@@ -393,6 +393,8 @@ def main() -> None:
         help="measure only this section (may be given more than once; default: all)",
     )
     args = parser.parse_args()
+    if args.subscriptions is not None and args.subscriptions < 1:
+        parser.error(f"--subscriptions must be at least 1, not {args.subscriptions}")
     only = set(args.only or SECTIONS)
     repeats = args.repeats or (1 if args.quick else 3)
     sync_count = 200 if args.quick else 1000

@@ -22,7 +22,7 @@ import proton
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from proton import Terminus
+from proton import Link, Terminus
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from hafailover.destination import Destination, DestinationKind
@@ -626,6 +626,7 @@ class ScriptedPeer(proton.Handler):
         self.refusal = refusal
         self.attaches: list[tuple[str, int, int]] = []
         self.transfers: list[bool] = []  # whether each transfer came settled
+        self.sender_modes: list[int] = []  # the settle mode of each sender the client attached
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port: int = probe.getsockname()[1]
@@ -661,6 +662,8 @@ class ScriptedPeer(proton.Handler):
         terminus = link.remote_target if link.is_receiver else link.remote_source
         address = terminus.address or ""
         self.attaches.append((address, terminus.durability, terminus.expiry_policy))
+        if link.is_receiver:
+            self.sender_modes.append(link.remote_snd_settle_mode)
         if "refused" in address:
             name = address.rsplit("/", 1)[-1]
             link.session.condition = proton.Condition(
@@ -782,6 +785,8 @@ def test_sends_nobody_waits_for_go_settled_on_rabbitmq_only(
     transport.send(None, queue, Message(b"c"), duplicate_detection=False)
     events.wait(lambda: 1 in events.settled and len(peer.transfers) == 3)
     assert peer.transfers == ([True, False, True] if product else [False, False, False])
+    # the link says so too: mixed on RabbitMQ (each transfer chooses), unsettled elsewhere
+    assert peer.sender_modes == [Link.SND_MIXED if product else Link.SND_UNSETTLED]
     assert events.settled[1] is None
     transport.close()
     assert not events.lost

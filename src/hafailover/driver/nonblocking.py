@@ -14,6 +14,7 @@ decided here.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -213,21 +214,49 @@ def create_durable_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_durable_consumer`` as steps (the same options)."""
-    return session._durable_consumer_steps(topic, name, **options)
+    return _named(
+        "create_durable_consumer", session._durable_consumer_steps, topic, name, **options
+    )
 
 
 def create_shared_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_shared_consumer`` as steps (the same options)."""
-    return session._shared_consumer_steps(SubscriptionKind.SHARED, topic, name, **options)
+    return _named(
+        "create_shared_consumer",
+        session._shared_consumer_steps,
+        SubscriptionKind.SHARED,
+        topic,
+        name,
+        **options,
+    )
 
 
 def create_shared_durable_consumer(
     session: Session, topic: str | Destination, name: str, **options: Any
 ) -> Steps[Consumer]:
     """``session.create_shared_durable_consumer`` as steps (the same options)."""
-    return session._shared_consumer_steps(SubscriptionKind.SHARED_DURABLE, topic, name, **options)
+    return _named(
+        "create_shared_durable_consumer",
+        session._shared_consumer_steps,
+        SubscriptionKind.SHARED_DURABLE,
+        topic,
+        name,
+        **options,
+    )
+
+
+def _named(
+    call: str, steps: Callable[..., Steps[Consumer]], *args: Any, **options: Any
+) -> Steps[Consumer]:
+    """``steps(*args, **options)``, an option it does not take named as the caller's
+    ``call``'s, not as the private method's."""
+    try:
+        inspect.signature(steps).bind(*args, **options)
+    except TypeError as exc:
+        raise TypeError(f"{call}() {exc}") from None
+    return steps(*args, **options)
 
 
 def unsubscribe(session: Session, name: str) -> Steps[None]:

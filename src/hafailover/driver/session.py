@@ -127,9 +127,10 @@ class Session(Transactions):
         self, destination: str | Destination | None = None, *, confirm: bool = True
     ) -> Producer:
         """A producer; without a destination every send names one. ``confirm=False`` sends
-        persistent messages without waiting for the broker, stamped with a duplicate id; over
-        STOMP they are still kept in the confirmation window (replayed after a failover),
-        over AMQP nothing is kept: a failover leaves them in doubt (docs/client.md)."""
+        persistent messages without waiting for the broker, stamped with a duplicate id. Over
+        STOMP to a broker with the reattach extension (the bundled pair) they are still kept
+        in the confirmation window (replayed after a failover); elsewhere (other STOMP
+        brokers, AMQP) nothing is kept: a failover leaves them in doubt (docs/client.md)."""
         self._check_open()
         return Producer(
             self, None if destination is None else parse_destination(destination), confirm
