@@ -412,9 +412,20 @@ def test_a_temporary_queue_round_trip(
     transport.send(2, received.reply_to, Message(b"pong"), duplicate_detection=True)
     events.wait(lambda: events.bodies("replies"))
     assert events.bodies("replies") == [b"pong"]
+    # Its consumer first (JMS deletes no temporary queue that has one): the broker reads
+    # the frames in order, so no consumer is left for the deletion to end.
+    transport.unsubscribe("replies")
     transport.delete_temporary_queue(temporary)
-    transport.close()
     assert not events.errors
+    # One that still has a consumer: the broker ends it, and that is reported.
+    other = transport.create_temporary_queue()
+    transport.subscribe("orphan", other, credit=5, settle_on_delivery=True)
+    transport.delete_temporary_queue(other)
+    events.wait(lambda: events.errors)
+    [error] = events.errors
+    assert type(error) is ProtocolError
+    assert "subscription 'orphan'" in str(error) and "amqp:resource-deleted" in str(error)
+    transport.close()
 
 
 @pytest.mark.broker
