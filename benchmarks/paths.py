@@ -54,6 +54,7 @@ from hafailover.tools.paths import (  # noqa: E402
     send_one_at_a_time,
     send_pipelined,
     subscribe_one_at_a_time,
+    subscriptions_per_run,
     transactions,
 )
 from reference_broker.pair import BrokerPair  # noqa: E402
@@ -473,7 +474,7 @@ def main() -> None:
             )
             row("amqp pipelined confirmed", got["ours"], got["raw"], "proton event-driven")
         # 3. subscriptions, one at a time
-        subscriptions = args.subscriptions or (100 if args.quick else 500)
+        subscriptions = args.subscriptions or subscriptions_per_run(args.quick)
         for protocol, url in protocols if "subscribe" in only else ():
             raw_subscribe: Callable[[], PathResult] = (
                 (lambda: stomp_subscribe(sp, subscriptions))

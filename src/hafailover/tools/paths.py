@@ -143,12 +143,17 @@ def receive(
         return PathResult(count, time.perf_counter() - start)
 
 
+def subscriptions_per_run(quick: bool) -> int:
+    """Consumers created one at a time in a run: at 20, a run's rate moved by a third
+    between runs of one tree."""
+    return 100 if quick else 500
+
+
 def run_paths(url: str | FailoverPolicy, *, quick: bool = False) -> list[dict[str, Any]]:
     """Every path once against ``url``: one row each."""
     one = 100 if quick else 1000
     many = 1000 if quick else 10_000
     received = 500 if quick else 5000
-    subscriptions = 100 if quick else 500  # at 20 a run's rate moved by a third between runs
     rows: list[dict[str, Any]] = []
 
     def row(path: str, result: PathResult, *, latency: bool = False) -> None:
@@ -170,7 +175,7 @@ def run_paths(url: str | FailoverPolicy, *, quick: bool = False) -> list[dict[st
     row("send_async + flush, pipelined", send_pipelined(url, many))
     row(
         "create_consumer(), one at a time",
-        subscribe_one_at_a_time(url, subscriptions),
+        subscribe_one_at_a_time(url, subscriptions_per_run(quick)),
         latency=True,
     )
     for size in (1, 10, 100):
