@@ -27,6 +27,10 @@ from reference_broker.pair import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 APP = Path(__file__).with_name("cluster_app.py")
 EXECUTOR_CLASS = "CoarseGrainedExecutorBackend"
+# Every JVM of these tests (master, workers, drivers, executors) lives for seconds to
+# minutes on 2 shared cores, where starting it dominates: the client compiler alone and
+# the serial collector leave the cores to the work instead of the JIT's and GC's threads.
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 def spark_home() -> Path:
@@ -41,6 +45,7 @@ def _environment() -> dict[str, str]:
     env["PYSPARK_PYTHON"] = sys.executable
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.pop("SPARK_CONF_DIR", None)
+    env["SPARK_DAEMON_JAVA_OPTS"] = QUICK_JVM
     return env
 
 

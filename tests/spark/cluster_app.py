@@ -48,6 +48,7 @@ def main() -> None:
     from pyspark.sql.types import StringType
 
     from hafailover.spark import register
+    from tests.spark.cluster import QUICK_JVM
     from tests.spark.udfs import slow_and_marked
 
     spark = (
@@ -58,6 +59,8 @@ def main() -> None:
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.port", str(args.driver_port))
         .config("spark.executor.memory", "512m")
+        .config("spark.driver.extraJavaOptions", QUICK_JVM)
+        .config("spark.executor.extraJavaOptions", QUICK_JVM)
         .config("spark.executor.cores", "1")
         .config("spark.task.maxFailures", "4")
         .config("spark.pyspark.python", sys.executable)
