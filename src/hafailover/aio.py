@@ -550,10 +550,13 @@ class AsyncSession:
     async def create_temporary_queue(self) -> Destination:
         return await self.connection._steps(nonblocking.temporary_queue(self.sync))
 
-    async def acknowledge(self, message: Message | None = None) -> None:
+    async def acknowledge(self, message: Message | None = None, *, confirm: bool = True) -> None:
         """CLIENT modes: acknowledge ``message`` (and, in CLIENT mode, every message this
-        session delivered before it), or every message delivered when none is named (F8)."""
-        await self.connection._steps(nonblocking.acknowledge(self.sync, message))
+        session delivered before it), or every message delivered when none is named (F8).
+        ``confirm=False`` (a message only) as in ``Message.acknowledge``: not waited for."""
+        if message is None and not confirm:
+            raise TypeError("confirm=False acknowledges one message: name it")
+        await self.connection._steps(nonblocking.acknowledge(self.sync, message, confirm))
 
     async def release(self, message: Message) -> None:
         """CLIENT_INDIVIDUAL: give ``message`` back alone, as a failed delivery (as

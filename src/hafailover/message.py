@@ -161,14 +161,18 @@ class Message:
             self.message_id = new_message_id()
         return self.message_id
 
-    def acknowledge(self) -> None:
+    def acknowledge(self, *, confirm: bool = True) -> None:
         """CLIENT acknowledge modes: acknowledge this message (and, in CLIENT mode, every
-        message its session delivered before it)."""
+        message its session delivered before it). Waits out a failover (F1), then for the
+        broker's confirmation; with ``confirm=False`` it returns once the acknowledge is
+        written: a failover that loses it makes the broker deliver the message again (and
+        the consumer's ``dedup`` window, which takes its id at once, drops that copy), and
+        no failure of it is reported."""
         if self._acknowledger is None:
             raise IllegalStateError(
                 "this message was built here, not received: there is nothing to acknowledge"
             )
-        self._acknowledger(self)
+        self._acknowledger(self, confirm)
 
     def release(self) -> None:
         """CLIENT_INDIVIDUAL: give this message back, alone, as a failed delivery (a STOMP

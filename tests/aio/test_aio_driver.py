@@ -401,3 +401,27 @@ def test_a_release_waits_out_a_failover_on_the_loop(broker: FakeBroker) -> None:
             connection.sync.close()
 
     run(test)
+
+
+def test_an_acknowledge_not_confirmed_does_not_wait_for_the_broker(broker: FakeBroker) -> None:
+    async def test() -> None:
+        async with await connected(broker) as connection:
+            session = await connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+            consumer = await session.create_consumer("queue://orders")
+            connection.start()
+            with broker.lock:
+                broker.queues["orders"].extend([Message("first"), Message("second")])
+            first, second = await consumer.receive(5), await consumer.receive(5)
+            assert first is not None and second is not None
+            with pytest.raises(TypeError, match="confirm=False acknowledges one message"):
+                await session.acknowledge(confirm=False)
+            with broker.paused():  # nothing is read or answered
+                await asyncio.wait_for(session.acknowledge(first, confirm=False), 2)
+                confirmed = asyncio.ensure_future(session.acknowledge(second))
+                await asyncio.sleep(0.2)
+                assert not confirmed.done()
+            await asyncio.wait_for(confirmed, 5)
+            with broker.lock:
+                assert all(not s.unacked for s in broker.sessions.values())
+
+    run(test)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,34 @@ def test_headers_exchange_is_refused_by_name(
 def test_a_url_that_is_not_hafailover_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="hafailover URL"):
         kombu.Connection("localhost", transport="hafailover.kombu:Transport").connect()
+
+
+def test_an_ack_returns_once_written_as_py_amqps_does(
+    pair: BrokerPair, protocol: str, name: str
+) -> None:
+    """A pool thread's ack does not wait a broker round trip: with the live stopped
+    (SIGSTOP), an ack still returns; once the live goes on, it has taken both."""
+    url = kombu_url(pair, protocol)
+    with kombu.Connection(url) as connection:
+        queue = connection.SimpleQueue(name)
+        for seq in range(2):
+            queue.put({"seq": seq})
+        held = [queue.get(timeout=5) for _ in range(2)]
+        pair.pause(pair.live)
+        try:
+            acking = threading.Thread(target=held[0].ack)
+            acking.start()
+            acking.join(1.0)
+            assert not acking.is_alive(), "the ack waited for the broker"
+        finally:
+            pair.resume(pair.live)
+        held[1].ack()
+        queue.close()
+    with kombu.Connection(url) as connection:  # both acks arrived: nothing comes again
+        queue = connection.SimpleQueue(name)
+        with pytest.raises(queue.Empty):
+            queue.get(timeout=1.0)
+        queue.close()
 
 
 def test_a_connection_hafailover_gave_up_on_reaches_drain_events(

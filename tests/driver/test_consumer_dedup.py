@@ -4,6 +4,7 @@ yet acknowledged, given back, rolled back) is delivered. Milliseconds, no real b
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -224,3 +225,44 @@ def test_a_closed_consumer_leaves_nothing_pending_in_its_session(
     assert session._dedup_pending
     consumer.close()
     assert session._dedup_pending == {}
+
+
+def test_an_acknowledge_not_confirmed_returns_once_written_and_its_loss_is_dropped(
+    broker: FakeBroker, connection: hafailover.Connection
+) -> None:
+    """Message.acknowledge(confirm=False) returns while the broker has not even read it; a
+    failover that loses it makes the broker deliver the message again, and the window,
+    which took its id when it was written, drops that copy."""
+    session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
+    consumer = session.create_consumer("queue://orders")
+    connection.start()
+    put(broker, copy("m1", "first"), copy("m2", "second"))
+    first, second = consumer.receive(5), consumer.receive(5)
+    assert first is not None and second is not None
+    with broker.paused():  # nothing is read or answered
+        acknowledging = threading.Thread(target=first.acknowledge, kwargs={"confirm": False})
+        acknowledging.start()
+        acknowledging.join(2)
+        assert not acknowledging.is_alive(), "acknowledge(confirm=False) waited for the broker"
+        failed: list[BaseException] = []
+        waiting = threading.Thread(target=_acknowledge_into, args=(second, failed), daemon=True)
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive(), "a confirmed acknowledge returned before the broker answered"
+        threads = broker.current().lose(noticed_by=("reader",))  # both never arrive
+        broker.answers.append("fresh")
+    for thread in threads:
+        thread.join(5)
+    waiting.join(5)
+    assert [type(e) for e in failed] == [hafailover.UnblockedError]  # its outcome unknown
+    again = consumer.receive(5)  # the broker gave both back; the first one's copy dropped
+    assert again is not None and again.text == "second"
+    assert consumer.receive(0.3) is None
+    assert consumer.duplicates_dropped == 1
+
+
+def _acknowledge_into(message: Message, failed: list[BaseException]) -> None:
+    try:
+        message.acknowledge()
+    except hafailover.HaFailoverError as exc:
+        failed.append(exc)

@@ -157,8 +157,8 @@ def release(message: Message) -> Steps[None]:
     return consumer._release_steps(message)
 
 
-def acknowledge(session: Session, message: Message | None) -> Steps[None]:
-    """``message.acknowledge()`` (on the session that delivered it), or
+def acknowledge(session: Session, message: Message | None, confirm: bool = True) -> Steps[None]:
+    """``message.acknowledge(confirm=)`` (on the session that delivered it), or
     ``session.acknowledge()`` when None, as steps: it waits out a failover, then for the
     broker's confirmation."""
     if message is None:
@@ -167,7 +167,7 @@ def acknowledge(session: Session, message: Message | None) -> Steps[None]:
     connection = session.connection
     with connection._cond:
         owner = None if delivery is None else connection._sessions.get(delivery.session_id)
-    return (owner or session)._acknowledge_message_steps(message)
+    return (owner or session)._acknowledge_message_steps(message, confirm)
 
 
 # --- transactions -------------------------------------------------------------------------

@@ -505,10 +505,10 @@ class Session(Transactions):
             self.rules.acknowledge_all()  # raises: not this mode's call
         yield from self._acknowledge_steps(None)
 
-    def _acknowledge_message(self, message: Message) -> None:
-        run_steps(self.connection, self._acknowledge_message_steps(message))
+    def _acknowledge_message(self, message: Message, confirm: bool = True) -> None:
+        run_steps(self.connection, self._acknowledge_message_steps(message, confirm))
 
-    def _acknowledge_message_steps(self, message: Message) -> Steps[None]:
+    def _acknowledge_message_steps(self, message: Message, confirm: bool = True) -> Steps[None]:
         delivery = message.delivery
         if delivery is None:
             raise IllegalStateError("this message was not received by a session")
@@ -516,30 +516,34 @@ class Session(Transactions):
         self.rules.check_owner(delivery)
         if not self.rules.acknowledged_by_application:
             return  # JMS: acknowledge() is ignored outside CLIENT modes
-        yield from self._acknowledge_steps(delivery)
+        yield from self._acknowledge_steps(delivery, confirm)
 
-    def _acknowledge_steps(self, delivery: Any | None) -> Steps[None]:
+    def _acknowledge_steps(self, delivery: Any | None, confirm: bool = True) -> Steps[None]:
         """Acknowledge ``delivery`` (None: everything this session delivered): wait out a
-        failover, write, wait for the broker's confirmation."""
+        failover, write, wait for the broker's confirmation (``confirm``; else the
+        acknowledge stays in flight, and a failover that loses it makes the broker deliver
+        the message again, which the consumer's duplicate window then drops)."""
         connection = self.connection
         deadline = connection._failover_deadline()
         written = yield from attempts(
-            functools.partial(self._acknowledge_written, delivery, deadline)
+            functools.partial(self._acknowledge_written, delivery, deadline, confirm)
         )
         if written is None:
             return
         completion, tags = written
-        yield from connection._completion_steps(completion)
+        if completion is not None:
+            yield from connection._completion_steps(completion)
         if self._dedup_pending:
             with connection._cond:
                 self._dedup_settled(tags)
 
     def _acknowledge_written(
-        self, delivery: Any | None, deadline: float | None
-    ) -> tuple[SendCompletion, tuple[str, ...]] | None:
-        """Write the acknowledge of ``delivery``: its completion and the tags it covers, or
-        None when there is nothing to write. WouldBlock, having done nothing, while the
-        connection fails over."""
+        self, delivery: Any | None, deadline: float | None, confirm: bool = True
+    ) -> tuple[SendCompletion | None, tuple[str, ...]] | None:
+        """Write the acknowledge of ``delivery``: its completion (None without ``confirm``:
+        no call is made of it then, as of a DUPS_OK acknowledge, and it asks for no
+        receipt) and the tags it covers, or None when there is nothing to write.
+        WouldBlock, having done nothing, while the connection fails over."""
         connection = self.connection
         with connection._cond:
             # F1 first: wait out a failover, so that the rules decide with its outcome
@@ -552,8 +556,8 @@ class Session(Transactions):
                 raise self._recovered(decision)
             if decision.action is not AckAction.SEND or not decision.tags:
                 return None
-            completion = SendCompletion(connection, None)
-            token = connection._call(CallKind.ACK, completion, self)
+            completion = SendCompletion(connection, None) if confirm else None
+            token = None if completion is None else connection._call(CallKind.ACK, completion, self)
             try:
                 for tag in decision.tags[:-1]:
                     link.acknowledge(self._tag_subscriptions.pop(tag, ""), tag, tx=None, token=None)
@@ -562,7 +566,9 @@ class Session(Transactions):
                 link.acknowledge(self._tag_subscriptions.pop(last, ""), last, tx=None, token=token)
                 connection._written(token, link, command_id, asked=True)
             except HaFailoverError as exc:
-                connection._abandon(token, AcknowledgeFailedError(f"acknowledge failed: {exc}"))
+                if token is not None:
+                    error = AcknowledgeFailedError(f"acknowledge failed: {exc}")
+                    connection._abandon(token, error)
                 connection._io_failed(link, exc)
                 # Given up: if a reattach brings them again, they are delivered again.
                 self._forget_seen(decision.tags)

@@ -12,7 +12,9 @@ What this module owns, and what it must never do:
 - Consumers deliver through message listeners into one inbox per connection, which
   ``drain_events`` empties on the caller's thread, where kombu's callbacks run. Acknowledges
   may come from any thread (Celery's pools acknowledge from theirs); the hafailover driver
-  serializes them.
+  serializes them. An acknowledge returns once written, as py-amqp's does: a pool thread
+  does not wait a broker round trip per task. One a failover loses is a lost acknowledge
+  (the broker delivers the message again), which the delivery window below drops.
 - Exchanges and bindings become queues and topics (``_routing``); a message travels with
   its kombu headers, properties, exchange and routing key in one JSON property, so nothing
   kombu sets depends on what a broker's STOMP or AMQP mapping keeps.
@@ -667,7 +669,7 @@ class Channel(base.StdChannel):
         unknown (only with ``stale_ok``, else that raises: kombu's callers log it as
         "could not ack")."""
         try:
-            message.acknowledge()
+            message.acknowledge(confirm=False)
         except (StaleAcknowledgeError, AcknowledgeFailedError, UnblockedError):
             # Stale, or caught by the failover with its outcome unknown: either way the
             # broker may deliver the message again.
