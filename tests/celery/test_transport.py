@@ -57,6 +57,14 @@ def quiet(connection: kombu.Connection, seconds: float) -> None:
             return
 
 
+def put_then_get(connection: kombu.Connection, name: str, count: int) -> tuple[Any, list[Any]]:
+    """A SimpleQueue of ``name``, ``count`` messages put on it and got back, held."""
+    queue = connection.SimpleQueue(name)
+    for seq in range(count):
+        queue.put({"seq": seq})
+    return queue, [queue.get(timeout=5) for _ in range(count)]
+
+
 def test_publish_consume_ack_keeps_headers_and_properties(
     shared_pair: BrokerPair, protocol: str, name: str
 ) -> None:
@@ -106,10 +114,7 @@ def test_unacknowledged_messages_come_back_redelivered(
 ) -> None:
     url = kombu_url(shared_pair, protocol)
     with kombu.Connection(url) as connection:
-        queue = connection.SimpleQueue(name)
-        for seq in range(3):
-            queue.put({"seq": seq})
-        held = [queue.get(timeout=5) for _ in range(3)]
+        queue, held = put_then_get(connection, name, 3)
         assert [m.payload["seq"] for m in held] == [0, 1, 2]
         held[1].ack()
         queue.close()
@@ -303,10 +308,7 @@ def test_an_ack_returns_once_written_as_py_amqps_does(
     (SIGSTOP), an ack still returns; once the live goes on, it has taken both."""
     url = kombu_url(pair, protocol)
     with kombu.Connection(url) as connection:
-        queue = connection.SimpleQueue(name)
-        for seq in range(2):
-            queue.put({"seq": seq})
-        held = [queue.get(timeout=5) for _ in range(2)]
+        queue, held = put_then_get(connection, name, 2)
         pair.pause(pair.live)
         try:
             acking = threading.Thread(target=held[0].ack)
