@@ -71,7 +71,12 @@ from hafailover.driver.nonblocking import SendOptions
 from hafailover.driver.producer import sent_id
 from hafailover.driver.transactions import TransactionAttempt, TransactionBlock
 from hafailover.driver.waits import Blocking, Steps, Waiter
-from hafailover.errors import CallTimeoutError, ConnectionClosedError, HaFailoverError
+from hafailover.errors import (
+    CallTimeoutError,
+    ConfigurationError,
+    ConnectionClosedError,
+    HaFailoverError,
+)
 from hafailover.message import Message, PropertyValue
 from hafailover.protocols.base import LinkFactory
 from hafailover.protocols.factory import make_link
@@ -555,7 +560,7 @@ class AsyncSession:
         session delivered before it), or every message delivered when none is named (F8).
         ``confirm=False`` (a message only) as in ``Message.acknowledge``: not waited for."""
         if message is None and not confirm:
-            raise TypeError("confirm=False acknowledges one message: name it")
+            raise ConfigurationError("confirm=False acknowledges one message: name it")
         await self.connection._steps(nonblocking.acknowledge(self.sync, message, confirm))
 
     async def release(self, message: Message) -> None:

@@ -165,9 +165,10 @@ class Message:
         """CLIENT acknowledge modes: acknowledge this message (and, in CLIENT mode, every
         message its session delivered before it). Waits out a failover (F1), then for the
         broker's confirmation; with ``confirm=False`` it returns once the acknowledge is
-        written: a failover that loses it makes the broker deliver the message again (and
-        the consumer's ``dedup`` window, which takes its id at once, drops that copy), and
-        no failure of it is reported."""
+        written: a failover that loses it then makes the broker deliver the message again,
+        unreported (with the consumer's ``dedup`` window on, the message's id joins it as
+        the acknowledge is written, so that copy is dropped). A write that fails raises
+        AcknowledgeFailedError either way."""
         if self._acknowledger is None:
             raise IllegalStateError(
                 "this message was built here, not received: there is nothing to acknowledge"

@@ -15,6 +15,7 @@ import pytest
 from hafailover import (
     AckMode,
     AcknowledgeFailedError,
+    ConfigurationError,
     FailoverCompleted,
     FailoverNotice,
     FailureDetected,
@@ -413,7 +414,7 @@ def test_an_acknowledge_not_confirmed_does_not_wait_for_the_broker(broker: FakeB
                 broker.queues["orders"].extend([Message("first"), Message("second")])
             first, second = await consumer.receive(5), await consumer.receive(5)
             assert first is not None and second is not None
-            with pytest.raises(TypeError, match="confirm=False acknowledges one message"):
+            with pytest.raises(ConfigurationError, match="confirm=False acknowledges one message"):
                 await session.acknowledge(confirm=False)
             with broker.paused():  # nothing is read or answered
                 await asyncio.wait_for(session.acknowledge(first, confirm=False), 2)

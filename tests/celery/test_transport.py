@@ -305,8 +305,9 @@ def test_an_ack_returns_once_written_as_py_amqps_does(
     pair: BrokerPair, protocol: str, name: str
 ) -> None:
     """A pool thread's ack does not wait a broker round trip: with the live stopped
-    (SIGSTOP), an ack still returns; once the live goes on, it has taken both."""
-    url = kombu_url(pair, protocol)
+    (SIGSTOP), an ack still returns; once the live goes on, it has taken both. (Heart-beats
+    of 5 s: the stopped second must not be taken for a lost live, which F1 would wait out.)"""
+    url = kombu_url(pair, protocol, heartbeat="5s")
     with kombu.Connection(url) as connection:
         queue, held = put_then_get(connection, name, 2)
         pair.pause(pair.live)

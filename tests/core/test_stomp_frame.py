@@ -984,3 +984,33 @@ def test_the_clients_fast_encoder_writes_what_the_parser_reads() -> None:
     assert isinstance(sent, Frame)
     assert sent.get("odd:name") == "line\nbreak\\"
     assert sent.body == b"a\x00b" and sent.get("content-length") == "3"
+
+
+def _unescaped_by_the_spec(text: str, version: str) -> str | None:
+    """A header value as STOMP ``version`` reads it, left to right; None when it may not."""
+    table = {"n": "\n", "c": ":", "\\": "\\", **({"r": "\r"} if version == "1.2" else {})}
+    out, index = [], 0
+    while index < len(text):
+        if text[index] != "\\":
+            out.append(text[index])
+            index += 1
+            continue
+        if index + 1 == len(text) or text[index + 1] not in table:
+            return None
+        out.append(table[text[index + 1]])
+        index += 2
+    return "".join(out)
+
+
+@settings(max_examples=500)
+@given(st.text(alphabet="\\\\ncr:ab", max_size=16), st.sampled_from(["1.1", "1.2"]))
+def test_header_values_unescape_as_each_version_defines(text: str, version: str) -> None:
+    frame = b"SEND\ndestination:/queue/a\nx:" + text.encode() + b"\n\n\x00"
+    expected = _unescaped_by_the_spec(text, version)
+    parser = FrameParser(Side.SERVER, version=version)
+    if expected is None:
+        with pytest.raises(StompProtocolError, match="escape sequence"):
+            parser.feed(frame)
+        return
+    (sent,) = parser.feed(frame)
+    assert isinstance(sent, Frame) and sent.get("x") == expected

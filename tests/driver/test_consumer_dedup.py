@@ -233,12 +233,7 @@ def test_an_acknowledge_not_confirmed_returns_once_written_and_its_loss_is_dropp
     """Message.acknowledge(confirm=False) returns while the broker has not even read it; a
     failover that loses it makes the broker deliver the message again, and the window,
     which took its id when it was written, drops that copy."""
-    session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
-    consumer = session.create_consumer("queue://orders")
-    connection.start()
-    put(broker, copy("m1", "first"), copy("m2", "second"))
-    first, second = consumer.receive(5), consumer.receive(5)
-    assert first is not None and second is not None
+    consumer, (first, second) = held(broker, connection, copy("m1", "first"), copy("m2", "second"))
     with broker.paused():  # nothing is read or answered
         acknowledging = threading.Thread(target=first.acknowledge, kwargs={"confirm": False})
         acknowledging.start()
@@ -255,10 +250,44 @@ def test_an_acknowledge_not_confirmed_returns_once_written_and_its_loss_is_dropp
         thread.join(5)
     waiting.join(5)
     assert [type(e) for e in failed] == [hafailover.UnblockedError]  # its outcome unknown
-    again = consumer.receive(5)  # the broker gave both back; the first one's copy dropped
+    # The broker gave both back: "second" is delivered, the copy of "first" is dropped.
+    again = consumer.receive(5)
     assert again is not None and again.text == "second"
     assert consumer.receive(0.3) is None
+    deadline = time.monotonic() + 5
+    while consumer.duplicates_dropped < 1 and time.monotonic() < deadline:
+        time.sleep(0.002)
     assert consumer.duplicates_dropped == 1
+
+
+def test_an_acknowledge_not_confirmed_whose_write_fails_raises_and_its_message_comes_again(
+    broker: FakeBroker, connection: hafailover.Connection
+) -> None:
+    """Known while its caller is still there: a write that fails raises, confirmed or not,
+    and the message's id stays out of the window, so its redelivery is delivered."""
+    consumer, (first,) = held(broker, connection, copy("m1", "first"))
+    with broker.paused():
+        broker.current().lose(noticed_by=("writer",))  # the acknowledge's write fails
+        broker.answers.append("fresh")
+        with pytest.raises(hafailover.AcknowledgeFailedError, match="acknowledge failed"):
+            first.acknowledge(confirm=False)
+    again = consumer.receive(5)  # the broker gave it back with the old session
+    assert again is not None and again.text == "first"
+    assert consumer.duplicates_dropped == 0
+
+
+def held(
+    broker: FakeBroker, connection: hafailover.Connection, *messages: Message
+) -> tuple[hafailover.Consumer, list[Message]]:
+    """A started CLIENT_INDIVIDUAL consumer of queue://orders holding ``messages``."""
+    consumer = connection.create_session(AckMode.CLIENT_INDIVIDUAL).create_consumer(
+        "queue://orders"
+    )
+    connection.start()
+    put(broker, *messages)
+    received = [consumer.receive(5) for _ in messages]
+    assert None not in received, received
+    return consumer, [m for m in received if m is not None]
 
 
 def _acknowledge_into(message: Message, failed: list[BaseException]) -> None:

@@ -159,8 +159,8 @@ def release(message: Message) -> Steps[None]:
 
 def acknowledge(session: Session, message: Message | None, confirm: bool = True) -> Steps[None]:
     """``message.acknowledge(confirm=)`` (on the session that delivered it), or
-    ``session.acknowledge()`` when None, as steps: it waits out a failover, then for the
-    broker's confirmation."""
+    ``session.acknowledge()`` when None, as steps: it waits out a failover, then (unless
+    ``confirm`` is False) for the broker's confirmation."""
     if message is None:
         return session._acknowledge_all_steps()
     delivery = message.delivery

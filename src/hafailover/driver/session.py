@@ -531,8 +531,9 @@ class Session(Transactions):
         if written is None:
             return
         completion, tags = written
-        if completion is not None:
-            yield from connection._completion_steps(completion)
+        if completion is None:
+            return  # not confirmed: its ids joined the duplicate windows as it was written
+        yield from connection._completion_steps(completion)
         if self._dedup_pending:
             with connection._cond:
                 self._dedup_settled(tags)
@@ -541,9 +542,11 @@ class Session(Transactions):
         self, delivery: Any | None, deadline: float | None, confirm: bool = True
     ) -> tuple[SendCompletion | None, tuple[str, ...]] | None:
         """Write the acknowledge of ``delivery``: its completion (None without ``confirm``:
-        no call is made of it then, as of a DUPS_OK acknowledge, and it asks for no
-        receipt) and the tags it covers, or None when there is nothing to write.
-        WouldBlock, having done nothing, while the connection fails over."""
+        no call is made of it then, as of a DUPS_OK acknowledge, it asks for no receipt,
+        and its ids join the consumers' duplicate windows here, in the same hold of the
+        lock) and the tags it covers, or None when there is nothing to write.
+        WouldBlock, having done nothing, while the connection fails over; a write that
+        fails raises AcknowledgeFailedError, confirmed or not."""
         connection = self.connection
         with connection._cond:
             # F1 first: wait out a failover, so that the rules decide with its outcome
@@ -566,13 +569,18 @@ class Session(Transactions):
                 link.acknowledge(self._tag_subscriptions.pop(last, ""), last, tx=None, token=token)
                 connection._written(token, link, command_id, asked=True)
             except HaFailoverError as exc:
+                error = AcknowledgeFailedError(f"acknowledge failed: {exc}")
                 if token is not None:
-                    error = AcknowledgeFailedError(f"acknowledge failed: {exc}")
                     connection._abandon(token, error)
                 connection._io_failed(link, exc)
                 # Given up: if a reattach brings them again, they are delivered again.
                 self._forget_seen(decision.tags)
                 self._dedup_forget(decision.tags)
+                if token is None:
+                    raise error from exc  # nobody waits for a completion to report it
+            else:
+                if token is None and self._dedup_pending:
+                    self._dedup_settled(decision.tags)
         return completion, decision.tags
 
     def _release_message_steps(self, message: Message, consumer: Consumer) -> Steps[None]:

@@ -14,7 +14,8 @@ What this module owns, and what it must never do:
   may come from any thread (Celery's pools acknowledge from theirs); the hafailover driver
   serializes them. An acknowledge returns once written, as py-amqp's does: a pool thread
   does not wait a broker round trip per task. One a failover loses is a lost acknowledge
-  (the broker delivers the message again), which the delivery window below drops.
+  (the broker delivers the message again), which the delivery window below drops when it
+  is on.
 - Exchanges and bindings become queues and topics (``_routing``); a message travels with
   its kombu headers, properties, exchange and routing key in one JSON property, so nothing
   kombu sets depends on what a broker's STOMP or AMQP mapping keeps.
