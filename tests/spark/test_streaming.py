@@ -20,12 +20,16 @@ pytest.importorskip("pyspark")
 pytest.importorskip("pyarrow")
 
 from pyspark.sql import functions as F  # noqa: N812 - PySpark's own convention
+from pyspark.sql.types import StringType
 
 from hafailover.spark import ForeachBatchSink
 from reference_broker.pair import BrokerPair
 from tests.spark.broker import PASSWORD, USER, consume_all
+from tests.spark.udfs import slow_and_marked_json
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker, pytest.mark.timeout(300)]
+
+MIDWAY = 2_500  # of a batch's 5,000 rows
 
 
 def write_files(directory: Path, files: int, rows: int) -> int:
@@ -39,13 +43,24 @@ def write_files(directory: Path, files: int, rows: int) -> int:
     return files * rows
 
 
-def rows_of(spark: Any, directory: Path) -> Any:
-    return (
+def rows_of(spark: Any, directory: Path, marks: Path | None = None) -> Any:
+    """One JSON body per row; with ``marks``, through a UDF that takes 0.3 ms a row and
+    marks each task midway (tests/spark/udfs.py)."""
+    rows = (
         spark.readStream.schema("id long, name string")
         .option("maxFilesPerTrigger", 1)
         .json(str(directory))
-        .select(F.to_json(F.struct("id", "name")).alias("body"))
     )
+    if marks is None:
+        return rows.select(F.to_json(F.struct("id", "name")).alias("body"))
+    marks.mkdir()
+    where = str(marks)
+    slow = F.udf(
+        lambda row_id, name: slow_and_marked_json(row_id, name, 0.0003, MIDWAY, where),
+        StringType(),
+        useArrow=False,  # pandas is not among the test dependencies: say so, not warn
+    )
+    return rows.select(slow("id", "name").alias("body"))
 
 
 def start(df: Any, pair: BrokerPair, destination: str, checkpoint: Path, commit_log: Path) -> Any:
@@ -87,32 +102,24 @@ def own_pair(tmp_path: Path) -> Iterator[BrokerPair]:
 def test_stream_survives_sigkill_of_the_live(
     spark: Any, own_pair: BrokerPair, tmp_path: Path
 ) -> None:
-    total = write_files(tmp_path / "in", files=6, rows=5_000)
+    total = write_files(tmp_path / "in", files=4, rows=5_000)
     commit_log = tmp_path / "commits.jsonl"
+    marks = tmp_path / "marks"
     query = start(
-        rows_of(spark, tmp_path / "in"), own_pair, "queue://stream", tmp_path / "ck", commit_log
+        rows_of(spark, tmp_path / "in", marks),
+        own_pair,
+        "queue://stream",
+        tmp_path / "ck",
+        commit_log,
     )
     try:
+        # The third batch's task midway: the rows before the mark have left the UDF's
+        # buffer and are being sent, and the rest take more than a second to follow.
         deadline = time.monotonic() + 120
-        while not (commit_log.exists() and len(reports(commit_log)) >= 2):
-            assert time.monotonic() < deadline, "no two batches committed in time"
+        while not (marks / "2-0-0").exists():
+            assert time.monotonic() < deadline, f"no third batch got midway: {query.status}"
             assert query.exception() is None, query.exception()
-            time.sleep(0.05)
-
-        # The next batch is under way (planning it can take a while on a loaded machine),
-        # then half a second into its sending (a batch takes seconds).
-        def third_batch_running() -> bool:
-            done = query.lastProgress  # posted once a batch has ended
-            return (
-                done is not None
-                and int(done["batchId"]) >= 1
-                and query.status.get("message") == "Processing new data"
-            )
-
-        while not third_batch_running():
-            assert time.monotonic() < deadline, f"no third batch began: {query.status}"
             time.sleep(0.02)
-        time.sleep(0.5)
         own_pair.kill(own_pair.live)
         query.processAllAvailable()
     finally:
@@ -122,7 +129,7 @@ def test_stream_survives_sigkill_of_the_live(
     assert sorted(received) == list(range(total)), "rows lost"
     assert max(received.values()) == 1, "rows duplicated"
     done = reports(commit_log)
-    assert [r["batch_id"] for r in done] == [str(n) for n in range(6)]
+    assert [r["batch_id"] for r in done] == [str(n) for n in range(4)]
     assert sum(r["rows"] for r in done) == total
     assert sum(r["failovers"] for r in done) >= 1, "no batch met the failover"
     # The client rode through it inside the task: Spark did not have to retry anything.

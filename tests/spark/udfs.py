@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -60,6 +61,17 @@ def slow_and_marked(row_id: int, delay: float, mark_after: int, marks: str) -> s
     ``mark_after``-th row, write marks/<batch>-<partition>-<attempt> holding this Python
     worker's pid: the cluster tests' sign that the task is sending (the bodies before it
     have left the UDF's buffer), and the way to the executor that runs it."""
+    _slow_and_mark(delay, mark_after, marks)
+    return body_of(row_id)
+
+
+def slow_and_marked_json(row_id: int, name: str, delay: float, mark_after: int, marks: str) -> str:
+    """As ``slow_and_marked``, with the row as a JSON body ({"id": ..., "name": ...})."""
+    _slow_and_mark(delay, mark_after, marks)
+    return json.dumps({"id": row_id, "name": name})
+
+
+def _slow_and_mark(delay: float, mark_after: int, marks: str) -> None:
     if delay:
         time.sleep(delay)
     context = TaskContext.get()
@@ -70,4 +82,3 @@ def slow_and_marked(row_id: int, delay: float, mark_after: int, marks: str) -> s
             batch = context.getLocalProperty("streaming.sql.batchId") or "write"
             name = f"{batch}-{context.partitionId()}-{context.attemptNumber()}"
             Path(marks, name).write_text(str(os.getpid()))
-    return body_of(row_id)
