@@ -564,9 +564,6 @@ def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n").replace(":", "\\c")
 
 
-_SPECIAL: Final = re.compile(r"[\\\r\n:]")
-
-
 def _escape_line(name: str, value: str, version: str) -> str:
     """One header line (no EOL) as ``version`` writes it; ValueError when it cannot."""
     if version == "1.2":
@@ -587,10 +584,7 @@ def encode_frame(command: str, headers: Mapping[str, str], body: bytes = b"") ->
     for name, value in headers.items():
         if name == "content-length":
             continue
-        if _SPECIAL.search(name) or _SPECIAL.search(value):
-            lines.append(f"{_escape(name)}:{_escape(value)}")
-        else:
-            lines.append(f"{name}:{value}")
+        lines.append(_escape_line(name, value, "1.2"))
     if body:
         lines.append(f"content-length:{len(body)}")
     lines.append("\n")
