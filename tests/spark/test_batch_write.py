@@ -18,7 +18,7 @@ from pyspark.sql.types import StringType
 from hafailover.spark import ForeachBatchSink
 from reference_broker.pair import BrokerPair
 from tests.spark.broker import PASSWORD, USER, consume_all
-from tests.spark.udfs import fail_midway_first_attempt, row_of
+from tests.spark.udfs import fail_midway_first_attempt, failing_after_stored, row_of
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker, pytest.mark.timeout(240)]
 
@@ -74,10 +74,11 @@ def test_a_retried_task_duplicates_nothing(spark: Any, pair: BrokerPair, tmp_pat
     """Partition 0 fails on its first attempt after part of it was sent and confirmed (the
     control in test_retry_order.py shows that it was); the retry sends those rows again under
     the same ids and the broker keeps one of each."""
-    failing = F.udf(fail_midway_first_attempt, StringType())
+    failing = F.udf(fail_midway_first_attempt, StringType(), useArrow=False)
     df = spark.range(4_000, numPartitions=2).select(failing("id").alias("body"))
     commit_log = tmp_path / "commits.jsonl"
-    sink(df, pair, "queue://spark-retry", commit_log=str(commit_log)).save()
+    with failing_after_stored(spark, pair.stomp_url, "queue://spark-retry"):
+        sink(df, pair, "queue://spark-retry", commit_log=str(commit_log)).save()
 
     received = consume_all(pair, "/queue/spark-retry", expected=4_000)
     bodies = [row_of(m.body) for m in received]

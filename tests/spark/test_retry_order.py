@@ -25,7 +25,13 @@ from pyspark.sql.types import LongType, StringType
 from reference_broker.engine import EngineConfig
 from reference_broker.pair import BrokerPair
 from tests.spark.broker import PASSWORD, USER, consume_all
-from tests.spark.udfs import FAIL_AFTER, fail_midway_first_attempt, order_by_attempt, row_of
+from tests.spark.udfs import (
+    FAIL_AFTER,
+    fail_midway_first_attempt,
+    failing_after_stored,
+    order_by_attempt,
+    row_of,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker, pytest.mark.timeout(300)]
 
@@ -43,14 +49,15 @@ def write(df: Any, pair: BrokerPair, destination: str, **options: str) -> None:
     )
     for name, value in options.items():
         writer = writer.option(name, value)
-    writer.save()
+    with failing_after_stored(df.sparkSession, pair.stomp_url, destination):
+        writer.save()
 
 
 def reordered_on_retry(spark: Any) -> Any:
-    """ROWS rows through a shuffle; partition 0 fails midway on its first attempt and its
-    retry sees its rows in the reverse order."""
-    failing = F.udf(fail_midway_first_attempt, StringType())
-    sort_key = F.udf(order_by_attempt, LongType())
+    """ROWS rows through a shuffle; partition 0 fails midway on its first attempt (once
+    1,000 of its rows are stored) and its retry sees its rows in the reverse order."""
+    failing = F.udf(fail_midway_first_attempt, StringType(), useArrow=False)
+    sort_key = F.udf(order_by_attempt, LongType(), useArrow=False)
     return (
         spark.range(ROWS, numPartitions=3)
         .repartition(2, "id")
@@ -96,7 +103,7 @@ def test_the_same_retry_with_positional_ids_loses_and_doubles_rows(
     got = received(pair, "/queue/reorder-positional", ROWS)
     lost = {f"row-{n}" for n in range(ROWS)} - set(got)
     doubled = [body for body, count in got.items() if count > 1]
-    # Attempt 0 confirmed at least one record batch (1,000 rows) before it failed.
+    # Attempt 0 failed once the broker stored 1,000 of its rows (failing_after_stored).
     assert len(lost) >= 1_000 and len(doubled) == len(lost) < FAIL_AFTER
     [report] = reports(commit_log)
     assert report["retried_tasks"] == 1

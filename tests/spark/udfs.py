@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from pyspark import TaskContext
 
@@ -24,20 +27,65 @@ def row_of(body: bytes) -> str:
 
 
 # Rows each task attempt has passed through fail_midway_first_attempt, by task attempt id.
-_seen: dict[int, int] = {}
+_seen: dict[int, list[int]] = {}
 FAIL_AFTER = 1_500
+# The failing attempt fails only once the broker stores this many of the rows it produced.
+STORED_BEFORE_FAILING = 1_000
+# The local properties that tell fail_midway_first_attempt where the sink writes to.
+STORED_URL = "tests.stored.url"
+STORED_QUEUE = "tests.stored.queue"
+
+
+@contextlib.contextmanager
+def failing_after_stored(spark: Any, url: str, queue: str) -> Iterator[None]:
+    """Within: fail_midway_first_attempt's failure waits for STORED_BEFORE_FAILING of the
+    failing attempt's rows on ``queue`` (a browser through ``url``), Spark's local properties
+    carrying both to the task."""
+    context = spark.sparkContext
+    context.setLocalProperty(STORED_URL, url)
+    context.setLocalProperty(STORED_QUEUE, queue)
+    try:
+        yield
+    finally:
+        context.setLocalProperty(STORED_URL, None)
+        context.setLocalProperty(STORED_QUEUE, None)
+
+
+def _wait_until_stored(context: TaskContext, produced: list[int], limit: float = 60.0) -> None:
+    """Wait until the broker stores STORED_BEFORE_FAILING of the rows in ``produced`` on the
+    queue the local properties name (the sink sent and the broker confirmed them: a fixed
+    sleep was too short on a loaded machine, and the attempt then failed with nothing
+    stored). After ``limit`` seconds, returns anyway: the test's assertions then fail."""
+    url, queue = context.getLocalProperty(STORED_URL), context.getLocalProperty(STORED_QUEUE)
+    if not url or not queue:
+        raise RuntimeError(
+            f"fail_midway_first_attempt runs only within failing_after_stored (local "
+            f"properties {STORED_URL} and {STORED_QUEUE} unset)"
+        )
+    import hafailover  # in the Python worker, as the sink does
+
+    mine = {body_of(row_id).encode() for row_id in produced}
+    deadline = time.monotonic() + limit
+    with hafailover.connect(url) as connection:
+        session = connection.create_session()
+        while time.monotonic() < deadline:
+            stored = sum(m.body_bytes in mine for m in session.create_browser(queue).messages())
+            if stored >= STORED_BEFORE_FAILING:
+                return
+            time.sleep(0.2)
 
 
 def fail_midway_first_attempt(row_id):  # type: ignore[no-untyped-def] # as above
     """The body of row ``row_id``; the first attempt of partition 0 fails at its
     FAIL_AFTER-th row, whatever that row is (after a shuffle nobody knows which ids
-    partition 0 holds), after the sink has had time to send and confirm the record batches
-    before it."""
+    partition 0 holds), once the broker stores STORED_BEFORE_FAILING of the rows before it
+    (``failing_after_stored``)."""
     context = TaskContext.get()
     if context is not None and context.partitionId() == 0 and context.attemptNumber() == 0:
-        count = _seen[context.taskAttemptId()] = _seen.get(context.taskAttemptId(), 0) + 1
-        if count == FAIL_AFTER:
-            time.sleep(2.0)
+        produced = _seen.setdefault(context.taskAttemptId(), [])
+        produced.append(row_id)
+        if len(produced) == FAIL_AFTER:
+            _wait_until_stored(context, produced)
             raise RuntimeError("the first attempt of partition 0 fails on purpose, midway")
     return body_of(row_id)
 
