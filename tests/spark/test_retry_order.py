@@ -49,8 +49,7 @@ def write(df: Any, pair: BrokerPair, destination: str, **options: str) -> None:
     )
     for name, value in options.items():
         writer = writer.option(name, value)
-    with failing_after_stored(df.sparkSession, pair.stomp_url, destination):
-        writer.save()
+    writer.save()
 
 
 def reordered_on_retry(spark: Any) -> Any:
@@ -78,7 +77,8 @@ def test_a_retry_that_sees_another_order_loses_and_doubles_nothing(
     spark: Any, pair: BrokerPair, tmp_path: Path
 ) -> None:
     commit_log = tmp_path / "commits.jsonl"
-    write(reordered_on_retry(spark), pair, "queue://reorder", commit_log=str(commit_log))
+    with failing_after_stored(spark, pair.stomp_url, "queue://reorder"):
+        write(reordered_on_retry(spark), pair, "queue://reorder", commit_log=str(commit_log))
     got = received(pair, "/queue/reorder", ROWS)
     assert sorted(got) == sorted(f"row-{n}" for n in range(ROWS)), "rows lost"
     assert max(got.values()) == 1, "rows doubled"
@@ -93,13 +93,14 @@ def test_the_same_retry_with_positional_ids_loses_and_doubles_rows(
     had given to others. The broker drops them (lost) and keeps attempt 0's rows under
     their own ids and again under the retry's (doubled)."""
     commit_log = tmp_path / "commits.jsonl"
-    write(
-        reordered_on_retry(spark),
-        pair,
-        "queue://reorder-positional",
-        commit_log=str(commit_log),
-        positional_ids="true",
-    )
+    with failing_after_stored(spark, pair.stomp_url, "queue://reorder-positional"):
+        write(
+            reordered_on_retry(spark),
+            pair,
+            "queue://reorder-positional",
+            commit_log=str(commit_log),
+            positional_ids="true",
+        )
     got = received(pair, "/queue/reorder-positional", ROWS)
     lost = {f"row-{n}" for n in range(ROWS)} - set(got)
     doubled = [body for body, count in got.items() if count > 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,36 +32,47 @@ _seen: dict[int, list[int]] = {}
 FAIL_AFTER = 1_500
 # The failing attempt fails only once the broker stores this many of the rows it produced.
 STORED_BEFORE_FAILING = 1_000
-# The local properties that tell fail_midway_first_attempt where the sink writes to.
+# The local properties that tell fail_midway_first_attempt where the sink writes to, and
+# the file it creates once the broker stores enough.
 STORED_URL = "tests.stored.url"
 STORED_QUEUE = "tests.stored.queue"
+STORED_MARK = "tests.stored.mark"
 
 
 @contextlib.contextmanager
 def failing_after_stored(spark: Any, url: str, queue: str) -> Iterator[None]:
     """Within: fail_midway_first_attempt's failure waits for STORED_BEFORE_FAILING of the
     failing attempt's rows on ``queue`` (a browser through ``url``), Spark's local properties
-    carrying both to the task."""
+    carrying both to the task. On leaving, fails unless that attempt saw them stored: a
+    retry test whose first attempt stored nothing would test nothing."""
     context = spark.sparkContext
-    context.setLocalProperty(STORED_URL, url)
-    context.setLocalProperty(STORED_QUEUE, queue)
-    try:
-        yield
-    finally:
-        context.setLocalProperty(STORED_URL, None)
-        context.setLocalProperty(STORED_QUEUE, None)
+    with tempfile.TemporaryDirectory(prefix="stored-") as directory:
+        mark = Path(directory) / "stored"
+        for name, value in ((STORED_URL, url), (STORED_QUEUE, queue), (STORED_MARK, str(mark))):
+            context.setLocalProperty(name, value)
+        try:
+            yield
+        finally:
+            for name in (STORED_URL, STORED_QUEUE, STORED_MARK):
+                context.setLocalProperty(name, None)
+        assert mark.exists(), (
+            f"the failing attempt failed before the broker stored {STORED_BEFORE_FAILING} of "
+            f"its rows on {queue}"
+        )
 
 
 def _wait_until_stored(context: TaskContext, produced: list[int], limit: float = 60.0) -> None:
     """Wait until the broker stores STORED_BEFORE_FAILING of the rows in ``produced`` on the
     queue the local properties name (the sink sent and the broker confirmed them: a fixed
     sleep was too short on a loaded machine, and the attempt then failed with nothing
-    stored). After ``limit`` seconds, returns anyway: the test's assertions then fail."""
+    stored), then create the mark. After ``limit`` seconds, returns without it
+    (``failing_after_stored`` then fails the test)."""
     url, queue = context.getLocalProperty(STORED_URL), context.getLocalProperty(STORED_QUEUE)
-    if not url or not queue:
+    mark = context.getLocalProperty(STORED_MARK)
+    if not url or not queue or not mark:
         raise RuntimeError(
             f"fail_midway_first_attempt runs only within failing_after_stored (local "
-            f"properties {STORED_URL} and {STORED_QUEUE} unset)"
+            f"properties {STORED_URL}, {STORED_QUEUE} and {STORED_MARK} unset)"
         )
     import hafailover  # in the Python worker, as the sink does
 
@@ -71,6 +83,7 @@ def _wait_until_stored(context: TaskContext, produced: list[int], limit: float =
         while time.monotonic() < deadline:
             stored = sum(m.body_bytes in mine for m in session.create_browser(queue).messages())
             if stored >= STORED_BEFORE_FAILING:
+                Path(mark).touch()
                 return
             time.sleep(0.2)
 

@@ -87,18 +87,23 @@ def encode_message(
     Written directly, byte for byte what proton writes (tests/adapters/test_amqp_codec.py
     compares the two): a ``proton.Message`` set field by field through proton's binding cost
     a Celery task's send about 120 us, most of what made an AMQP 1.0 send dearer than a STOMP
-    one. A value the direct encoding does not take (an integer beyond 64 bits, a string that
-    is not UTF-8) goes through proton, which writes it or raises its own error."""
+    one. What the direct encoding does not take goes through proton, which writes it or
+    raises its own error: an id that is not a string (proton writes an integer, a UUID or
+    bytes as their AMQP types), an integer beyond 64 bits, a string that is not UTF-8, a
+    time to live of 2**32 ms or more, a body of 4 GiB or more."""
     message_id = message.ensure_message_id()
     properties: dict[str, PropertyValue] = {
         str(k): _property_out(v) for k, v in message.properties.items()
     }
     if stamps_duplicate_id(persistent=message.persistent, duplicate_detection=duplicate_detection):
         properties[DUPLICATE_ID] = message_id  # Artemis reads this one
-    try:
-        return _sections(message, message_id, address, reply_to, properties)
-    except (UnicodeEncodeError, struct.error):
-        return _encode_with_proton(message, message_id, address, reply_to, properties)
+    correlation_id = message.correlation_id
+    if type(message_id) is str and (correlation_id is None or type(correlation_id) is str):
+        try:
+            return _sections(message, message_id, address, reply_to, properties)
+        except (UnicodeEncodeError, struct.error):
+            pass
+    return _encode_with_proton(message, message_id, address, reply_to, properties)
 
 
 def _encode_with_proton(
