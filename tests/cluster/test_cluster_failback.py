@@ -17,6 +17,7 @@ window (``consumer_dedup``) drops what a failover delivers again."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -26,7 +27,7 @@ from collections import Counter
 import pytest
 
 import hafailover
-from hafailover import AckMode, Message
+from hafailover import AckMode, AcknowledgeFailedError, Message
 from tests.integration.support import wait_until
 
 from .conftest import RabbitMQCluster
@@ -78,6 +79,7 @@ class Subscriber(threading.Thread):
         self.stop = threading.Event()
         self.connection: hafailover.Connection | None = None
         self.received: list[int] = []
+        self.ack_failures = 0
         self.error: str | None = None
 
     def run(self) -> None:
@@ -92,11 +94,39 @@ class Subscriber(threading.Thread):
                 connection.start()
                 self.subscribed.set()
                 while not self.stop.is_set():
-                    message = consumer.receive(0.2)
+                    try:
+                        message = consumer.receive(0.2)
+                    except AcknowledgeFailedError:
+                        # F6: the last message's acknowledge was cut by the failover; the
+                        # broker may deliver it again (the duplicate window drops it), and
+                        # the application goes on receiving.
+                        self.ack_failures += 1
+                        continue
                     if message is not None:
                         self.received.append(int(str(message.properties["seq"])))
         except BaseException:  # noqa: BLE001 - reported by the test
             self.error = traceback.format_exc()
+
+
+def _where(subscriber: Subscriber) -> str:
+    """What the subscriber's connection is doing, for a wait that timed out: its state, its
+    failovers, and where each of its threads is (one holding the lock shows there)."""
+    connection = subscriber.connection
+    if connection is None:
+        return f"no connection (error: {subscriber.error})"
+    reports = [report.summary() for report in connection.reports]
+    frames = sys._current_frames()
+    stacks = [
+        f"--- {thread.name}\n" + "".join(traceback.format_stack(frames[thread.ident])[-6:])
+        for thread in threading.enumerate()
+        if thread.ident in frames and thread.name.startswith(("hafailover", "subscriber"))
+    ]
+    return (
+        f"state {connection.state!r}, broker {connection.broker!r}, "
+        f"received {len(subscriber.received)}, acknowledges not confirmed (F6) "
+        f"{subscriber.ack_failures}, error {subscriber.error}, "
+        f"reports {reports}\n" + "\n".join(stacks)
+    )
 
 
 def _url(cluster: RabbitMQCluster, protocol: str, nodes: tuple[int, ...], options: str) -> str:
@@ -162,6 +192,7 @@ def _run(
             lambda: cluster.node_of(subscriber.connection.broker) in (2, 3),  # type: ignore[union-attr]
             30,
             "the subscriber on another node",
+            lambda: _where(subscriber),
         )
         moved_at = len(publisher.confirmed)
         # Traffic while node 1 is down (the publisher fails over too when the queue's
@@ -173,6 +204,7 @@ def _run(
             lambda: cluster.node_of(subscriber.connection.broker) == 1,  # type: ignore[union-attr]
             30,
             "the subscriber back on node 1",
+            lambda: _where(subscriber),
         )
         sent = len(publisher.confirmed)
         wait_until(lambda: len(publisher.confirmed) >= sent + 20, 30, "sends after the failback")
@@ -194,8 +226,9 @@ def _run(
     print(
         f"\n{protocol}: confirmed {len(publisher.confirmed)} (while the subscriber failed "
         f"over: {moved_at - killed_at}, while its node was down: {down_until - killed_at}), "
-        f"received {len(subscriber.received)}, duplicates "
-        f"{len(duplicates)}, reports {[r.summary() for r in reports]}"
+        f"received {len(subscriber.received)}, duplicates {len(duplicates)}, "
+        f"acknowledges not confirmed (F6) {subscriber.ack_failures}, "
+        f"reports {[r.summary() for r in reports]}"
     )
     assert down_until > killed_at, "nothing was published while node 1 was down"
     assert set(publisher.confirmed) <= set(subscriber.received)

@@ -173,13 +173,20 @@ def seqs(messages: list[Message]) -> list[int]:
     return [int(str(m.properties["seq"])) for m in messages]
 
 
-def wait_until(predicate: object, timeout: float, what: str) -> None:
+def wait_until(
+    predicate: object, timeout: float, what: str, detail: Callable[[], str] | None = None
+) -> None:
+    """Poll ``predicate`` until it holds; past ``timeout``, fail naming ``what`` and, when
+    given, what ``detail`` says of the state then (so a rare failure explains itself)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():  # type: ignore[operator]
             return
         time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    message = f"timed out after {timeout}s waiting for {what}"
+    if detail is not None:
+        message += f"; {detail()}"
+    raise AssertionError(message)
 
 
 class TcpProxy:
