@@ -185,7 +185,10 @@ def wait_until(
         time.sleep(0.02)
     message = f"timed out after {timeout}s waiting for {what}"
     if detail is not None:
-        message += f"; {detail()}"
+        try:
+            message += f"; {detail()}"
+        except Exception as exc:  # noqa: BLE001 - the timeout is what the test reports
+            message += f"; (its detail failed: {exc!r})"
     raise AssertionError(message)
 
 
