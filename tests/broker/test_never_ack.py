@@ -13,6 +13,7 @@ import pytest
 
 from hafailover.protocols.stomp.frame import Frame
 from reference_broker.pair import BrokerPair, NodeProcess
+from tests.broker import SHARED_NODE_LEASE
 from tests.broker.stomp_wire import WireClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
@@ -32,7 +33,9 @@ def rss(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    with BrokerPair(tmp_path_factory.mktemp("noack") / "pair", start_backup=False) as pair:
+    with BrokerPair(
+        tmp_path_factory.mktemp("noack") / "pair", start_backup=False, lease=SHARED_NODE_LEASE
+    ) as pair:
         yield pair.live
 
 

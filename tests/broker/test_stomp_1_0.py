@@ -24,6 +24,7 @@ from hafailover.protocols.stomp.frame import (
     StompProtocolError,
 )
 from reference_broker.pair import BrokerPair, NodeProcess
+from tests.broker import SHARED_NODE_LEASE
 from tests.broker.stomp_wire import WireClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
@@ -31,7 +32,9 @@ pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    with BrokerPair(tmp_path_factory.mktemp("stomp10") / "pair", start_backup=False) as pair:
+    with BrokerPair(
+        tmp_path_factory.mktemp("stomp10") / "pair", start_backup=False, lease=SHARED_NODE_LEASE
+    ) as pair:
         yield pair.live
 
 

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reference_broker.pair import BrokerPair, NodeProcess
+from tests.broker import SHARED_NODE_LEASE
 from tests.broker.stomp_wire import WireClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
@@ -20,7 +21,9 @@ pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """One live node without a backup (degraded), shared by this module's tests."""
-    with BrokerPair(tmp_path_factory.mktemp("stomp") / "pair", start_backup=False) as pair:
+    with BrokerPair(
+        tmp_path_factory.mktemp("stomp") / "pair", start_backup=False, lease=SHARED_NODE_LEASE
+    ) as pair:
         yield pair.live
 
 

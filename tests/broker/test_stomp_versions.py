@@ -21,6 +21,7 @@ import stomp
 import stomp.exception
 
 from reference_broker import BrokerPair
+from tests.broker import SHARED_NODE_LEASE
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
 
@@ -65,7 +66,9 @@ class Listener(stomp.ConnectionListener):  # type: ignore[misc]
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerPair]:
-    with BrokerPair(tmp_path_factory.mktemp("versions") / "pair", start_backup=False) as started:
+    with BrokerPair(
+        tmp_path_factory.mktemp("versions") / "pair", start_backup=False, lease=SHARED_NODE_LEASE
+    ) as started:
         yield started
 
 
