@@ -17,6 +17,7 @@ from proton.utils import BlockingConnection, SendException
 from reference_broker.core import DEFAULT_MAX_MESSAGE_SIZE
 from reference_broker.pair import BrokerPair, NodeProcess
 from reference_broker.users import UsersFile
+from tests.broker import SHARED_NODE_LEASE
 from tests.broker.stomp_wire import WireClient
 from tests.broker.test_amqp_server import InProcessBroker, RawClient
 
@@ -54,7 +55,9 @@ def stream(client: WireClient, data: bytes, repeat: int) -> threading.Thread:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    with BrokerPair(tmp_path_factory.mktemp("size") / "pair", start_backup=False) as pair:
+    with BrokerPair(
+        tmp_path_factory.mktemp("size") / "pair", start_backup=False, lease=SHARED_NODE_LEASE
+    ) as pair:
         yield pair.live
 
 

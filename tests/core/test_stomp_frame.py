@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import re
+import tracemalloc
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -1014,3 +1016,29 @@ def test_header_values_unescape_as_each_version_defines(text: str, version: str)
         return
     (sent,) = parser.feed(frame)
     assert isinstance(sent, Frame) and sent.get("x") == expected
+
+
+def test_a_refused_body_is_freed_with_the_error_not_kept_by_it() -> None:
+    """A frame refused past max_body_size (here without content-length: the parser buffered
+    it to the limit) leaves nothing of that buffer behind. The failed parser keeps its error
+    to raise again; an error kept with its traceback held the parse's frames and, through
+    them, the whole buffer (the broker's connection, in a reference cycle only a full
+    collection breaks: 64 MiB a refused connection, with the broker's default limit)."""
+    limit = 4 * 1024 * 1024
+    parser = FrameParser(Side.SERVER, ParserLimits(max_body_size=limit))
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # what a collection would break is what the test looks for
+    tracemalloc.start()
+    try:
+        with pytest.raises(StompProtocolError, match="body") as raised:
+            parser.feed(b"SEND\ndestination:/queue/a\n\n" + b"x" * (limit + 1))
+        del raised  # the test's own hold on the exception and its traceback
+        held, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        if gc_was_enabled:
+            gc.enable()
+    assert parser.error is not None
+    assert held < limit // 4, f"{held} bytes still held after the refusal"
+    with pytest.raises(StompProtocolError, match="body"):
+        parser.feed(b"\x00")  # failed for good, saying why

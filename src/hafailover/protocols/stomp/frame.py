@@ -370,7 +370,10 @@ class FrameParser:
             raise error
 
     def _fail(self, error: StompProtocolError) -> None:
-        self._error = error
+        # Kept to say why again, as a copy without ``error``'s traceback: that holds the
+        # parse's frames and the buffer in them (a refused body: up to max_body_size), and
+        # the caller's frames, which may close a cycle only a full collection breaks.
+        self._error = StompProtocolError(error.message)
         self._buf = bytearray()
         self._headers = ()
 
