@@ -2,6 +2,7 @@
 
 # The lease of a module's shared live node that no test takes over: long enough that a
 # machine loaded by the rest of the suite does not make it fence itself. With the pairs'
-# default (1.5 s) a node whose lease keeper was starved past it fenced and was away for a
-# second, and the module's next tests were refused.
+# default lease (1.5 s; a live stops serving 1.2 s after its last renewal) a node whose
+# lease keeper was starved that long fenced and was away for a second, and the module's
+# next tests were refused.
 SHARED_NODE_LEASE = 10.0

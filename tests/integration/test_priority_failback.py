@@ -123,10 +123,11 @@ def test_an_open_transaction_holds_the_move_until_it_commits(
     notices = Notices()
     preferred.refusing = True  # away from the start: the client begins on the other broker
     try:
-        # A heart-beat of 1 s, not FAST's 250 ms: this test needs no loss for 1.5 s, and a
-        # loaded machine once held the other broker's heart-beats past the 500 ms idle
-        # timeout, so the client failed over (not back) to the preferred one and rolled
-        # the transaction back before the commit could show that it held the move.
+        # A heart-beat of 1 s, not FAST's 250 ms: this test needs no loss for 1.5 s, and on
+        # a loaded machine the client once read no heart-beat within the 500 ms idle timeout
+        # (the broker or the client's reader starved), failed over (not back) to the
+        # preferred broker and rolled the transaction back before the commit could show
+        # that it held the move.
         url = priority_url(protocol, preferred.port, port_of(b, protocol), heartbeat="1s")
         url += "&initial_connect_attempts=4"
         with hafailover.connect(url, exception_listener=notices) as connection:
