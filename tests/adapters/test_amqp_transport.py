@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import socket
 import ssl
@@ -17,6 +18,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import proton
 import pytest
@@ -36,6 +39,7 @@ from hafailover.errors import (
     UnblockedError,
 )
 from hafailover.message import Message, PropertyValue
+from hafailover.protocols.amqp import transport as amqp_transport
 from hafailover.protocols.amqp.codec import decode_message, encode_message
 from hafailover.protocols.amqp.engine import Outcome
 from hafailover.protocols.amqp.transport import AmqpTransport
@@ -579,6 +583,107 @@ def test_a_silent_broker_is_detected_by_the_heartbeat(tmp_path: Path) -> None:
         assert len(events.lost) == 1
         transport.close()
         assert not reactor_threads()
+
+
+# The stalls below outlast the client's idle timeout (twice its heart-beat, 0.3 s) and stay
+# within the broker's (1 s: the pair's 0.5 s heart-beat twice), which the client's own
+# heart-beats, written every 0.25 s, must keep satisfied across a stall.
+STALLED_HEARTBEAT = 0.15
+STALL = 0.5
+
+
+class _StalledPoller:
+    """``select.poll()`` for the reader, whose wait ends (at proton's deadline) just before
+    the broker's next frame, and whose thread then gets a processor only ``stall`` seconds
+    later (a loaded machine), ``times`` times: the broker's frames arrive meanwhile, and
+    stay in the socket to be read (readiness is a level)."""
+
+    def __init__(self, stall: float, times: int) -> None:
+        self._poller = select.poll()
+        self.stall = stall
+        self.left = times
+
+    def register(self, fd: Any, mask: int) -> None:
+        self._poller.register(fd, mask)
+
+    def modify(self, fd: Any, mask: int) -> None:
+        self._poller.modify(fd, mask)
+
+    def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
+        ready = self._poller.poll(timeout)
+        if timeout and self.left > 0:
+            self.left -= 1
+            time.sleep(self.stall)
+            return []
+        return ready
+
+
+@pytest.mark.broker
+def test_a_reader_late_after_its_deadline_reads_before_judging_the_broker_silent(
+    connect: Callable[..., tuple[AmqpTransport, Recorder]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heart-beats the broker sent while the reader waited for a processor past its
+    idle timeout are there to read: they count, and the broker is not declared dead."""
+    pollers: list[_StalledPoller] = []
+
+    def stalled() -> _StalledPoller:
+        pollers.append(_StalledPoller(stall=STALL, times=3))
+        return pollers[-1]
+
+    monkeypatch.setattr(
+        amqp_transport,
+        "select",
+        SimpleNamespace(poll=stalled, POLLIN=select.POLLIN, POLLOUT=select.POLLOUT),
+    )
+    transport, events = connect(heartbeat=STALLED_HEARTBEAT)
+    deadline = time.monotonic() + 10
+    while pollers[0].left and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pollers[0].left == 0, "the reader never waited until a deadline"
+    time.sleep(0.3)
+    assert events.lost == []
+    queue = fresh_queue()
+    transport.send(1, queue, Message(b"after"), duplicate_detection=True)
+    events.wait(lambda: 1 in events.settled)
+    assert events.settled[1] is None
+    transport.close()
+
+
+class _SlowFirstMessage(Recorder):
+    """Events whose first message takes ``delay`` seconds to handle, on the reader's thread."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def on_message(self, subscription: str, delivery: int, message: Message) -> None:
+        if not self.messages:
+            time.sleep(self.delay)
+        super().on_message(subscription, delivery, message)
+
+
+@pytest.mark.broker
+def test_a_reader_back_from_a_slow_event_reads_before_judging_the_broker_silent(
+    pair: BrokerPair,
+) -> None:
+    """An event handled past the idle timeout (a slow callback on the reader's thread): the
+    heart-beats the broker sent meanwhile are read before proton keeps time."""
+    events = _SlowFirstMessage(delay=STALL)
+    transport = AmqpTransport(events, heartbeat=STALLED_HEARTBEAT)
+    transport.open(address(pair.live))
+    try:
+        queue = fresh_queue()
+        transport.send(1, queue, Message(b"slow"), duplicate_detection=True)
+        transport.subscribe("s", queue, credit=5, settle_on_delivery=True)
+        events.wait(lambda: events.messages)
+        time.sleep(0.3)
+        assert events.lost == []
+        transport.send(2, queue, Message(b"after"), duplicate_detection=True)
+        events.wait(lambda: 2 in events.settled)
+        assert events.settled[2] is None
+        assert events.lost == []
+    finally:
+        transport.abort()
 
 
 @pytest.mark.broker

@@ -428,8 +428,23 @@ class AmqpTransport:
         poller.register(wake, select.POLLIN)
         engine = self._engine
         outbox = self._outbox
+        ready: list[tuple[int, int]] = []
         try:
             while True:
+                if any(fd != wake and mask & ~select.POLLOUT for fd, mask in ready):
+                    # Read before proton keeps time: what arrived while this thread waited
+                    # for a processor (or called events) is the broker's, not its silence.
+                    try:
+                        data = sock.recv(_READ_SIZE)
+                        reason = "" if data else "closed by the broker"
+                    except OSError as exc:
+                        data, reason = b"", f"reading failed: {exc}"
+                    with self._lock:
+                        if data:
+                            engine.received(data, time.monotonic())
+                        else:
+                            engine.input_closed(reason, time.monotonic())
+                        self._flush()  # before the tick: over TLS, else the opening stalls
                 with self._lock:
                     deadline = engine.tick(time.monotonic())
                     self._flush()
@@ -447,24 +462,10 @@ class AmqpTransport:
                 if any(fd == wake for fd, _ in ready):
                     with contextlib.suppress(BlockingIOError):
                         os.eventfd_read(wake)
-                if not any(fd != wake and mask & ~select.POLLOUT for fd, mask in ready):
-                    continue  # proton's deadline, or room to write: the top of the loop
-                try:
-                    data = sock.recv(_READ_SIZE)
-                    reason = "" if data else "closed by the broker"
-                except OSError as exc:
-                    data, reason = b"", f"reading failed: {exc}"
-                with self._lock:
-                    if data:
-                        engine.received(data, time.monotonic())
-                    else:
-                        engine.input_closed(reason, time.monotonic())
-                    self._flush()
-                    ended = engine.ended
-                self._dispatch()
-                outbox.flush(wait=False)
-                if ended:
-                    return
+                if not ready:
+                    # Proton's deadline. The thread may have got a processor well past it,
+                    # while the broker's frames arrived: they are read first.
+                    ready = poller.poll(0)
         except Exception:  # a bug here must end the connection, not leave it hanging
             log.exception("amqp %s: the reader failed", self._broker_text())
             with self._lock:
