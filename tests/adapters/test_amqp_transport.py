@@ -586,17 +586,19 @@ def test_a_silent_broker_is_detected_by_the_heartbeat(tmp_path: Path) -> None:
 
 
 # The stalls below outlast the client's idle timeout (twice its heart-beat, 0.3 s) and stay
-# within the broker's (1 s: the pair's 0.5 s heart-beat twice), which the client's own
-# heart-beats, written every 0.25 s, must keep satisfied across a stall.
+# well within the broker's (1 s: the pair's 0.5 s heart-beat twice): the client writes only
+# when its reader runs, so the broker hears nothing for up to a heart-beat of its own
+# (0.25 s), plus a frame's wait (about 0.08 s), plus the stall: about 0.73 s.
 STALLED_HEARTBEAT = 0.15
-STALL = 0.5
+STALL = 0.4
 
 
 class _StalledPoller:
-    """``select.poll()`` for the reader, whose wait ends (at proton's deadline) just before
-    the broker's next frame, and whose thread then gets a processor only ``stall`` seconds
-    later (a loaded machine), ``times`` times: the broker's frames arrive meanwhile, and
-    stay in the socket to be read (readiness is a level)."""
+    """``select.poll()`` for the reader, whose timed waits are taken as having found
+    nothing (the broker's frame, if any, came just after: its readiness is dropped), and
+    whose thread then gets a processor only ``stall`` seconds later (a loaded machine),
+    ``times`` times. The broker's frames arrive meanwhile and stay in the socket to be read
+    (readiness is a level)."""
 
     def __init__(self, stall: float, times: int) -> None:
         self._poller = select.poll()

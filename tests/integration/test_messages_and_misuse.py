@@ -27,7 +27,7 @@ from hafailover import (
 from hafailover.connection import MAX_MESSAGE_BYTES
 from reference_broker import BrokerPair
 
-from .support import url_for
+from .support import STEADY_HEARTBEAT, url_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_every_byte_value_and_the_headers_arrive(pair: BrokerPair, protocol: str) -> None:
     """A body holding every byte value (NUL included) is neither cut nor corrupted."""
     body = bytes(range(256)) * 8
-    with hafailover.connect(url_for(pair, protocol, heartbeat="1s")) as connection:
+    with hafailover.connect(url_for(pair, protocol, heartbeat=STEADY_HEARTBEAT)) as connection:
         session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
         producer = session.create_producer("queue://bytes")
         sent = producer.send(
@@ -104,7 +104,7 @@ def test_bad_urls_and_options_name_what_is_wrong() -> None:
 
 
 def test_misuse_is_refused_and_harms_nothing(pair: BrokerPair, protocol: str) -> None:
-    with hafailover.connect(url_for(pair, protocol, heartbeat="1s")) as connection:
+    with hafailover.connect(url_for(pair, protocol, heartbeat=STEADY_HEARTBEAT)) as connection:
         healthy = connection.create_session()
         healthy_producer = healthy.create_producer("queue://misuse")
 
@@ -190,7 +190,7 @@ def test_a_send_the_broker_refuses_rolls_the_transaction_back(
 def test_a_message_amqp_cannot_encode_is_refused_and_harms_nothing(pair: BrokerPair) -> None:
     """An integer property beyond AMQP's range: each kind of send raises a clear error at
     once (never a failover, never a hang) and the rest of the transaction commits."""
-    with hafailover.connect(url_for(pair, "amqp", heartbeat="1s")) as connection:
+    with hafailover.connect(url_for(pair, "amqp", heartbeat=STEADY_HEARTBEAT)) as connection:
         too_big = {"seq": 2, "big": 2**70}
         fire_and_forget = connection.create_session().create_producer(
             "queue://unencodable", confirm=False

@@ -16,7 +16,7 @@ import hafailover
 from hafailover import AckMode, IllegalStateError, Message, StaleAcknowledgeError
 from reference_broker import BrokerPair
 
-from .support import drain, url_for, wait_until
+from .support import STEADY_HEARTBEAT, drain, url_for, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,7 +112,7 @@ def test_a_release_after_its_consumer_closed_writes_nothing(
     """The subscription's end gave the message back already: a NACK naming a subscription
     that is gone would be refused (on STOMP, with the connection)."""
     queue = f"queue://closed-{uuid.uuid4().hex[:8]}"
-    with hafailover.connect(url_for(pair, protocol, heartbeat="1s")) as connection:
+    with hafailover.connect(url_for(pair, protocol, heartbeat=STEADY_HEARTBEAT)) as connection:
         session = connection.create_session(AckMode.CLIENT_INDIVIDUAL)
         session.create_producer(queue).send(Message(body="held", properties={"seq": 0}))
         consumer = session.create_consumer(queue, prefetch=1)
@@ -139,7 +139,7 @@ def test_an_acknowledge_after_its_consumer_closed_writes_nothing_and_says_so(
     acknowledges what the session still holds. Either way the message is delivered again."""
     queue = f"queue://closed-ack-{uuid.uuid4().hex[:8]}"
     other = f"queue://kept-ack-{uuid.uuid4().hex[:8]}"
-    with hafailover.connect(url_for(pair, protocol, heartbeat="1s")) as connection:
+    with hafailover.connect(url_for(pair, protocol, heartbeat=STEADY_HEARTBEAT)) as connection:
         session = connection.create_session(mode)
         session.create_producer(queue).send(Message(body="held"))
         session.create_producer(other).send(Message(body="kept"))

@@ -429,11 +429,20 @@ class AmqpTransport:
         engine = self._engine
         outbox = self._outbox
         ready: list[tuple[int, int]] = []
+        deadline = 0.0
         try:
             while True:
-                if any(fd != wake and mask & ~select.POLLOUT for fd, mask in ready):
-                    # Read before proton keeps time: what arrived while this thread waited
-                    # for a processor (or called events) is the broker's, not its silence.
+                now = time.monotonic()
+                if deadline and now >= deadline and not _readable(ready, wake):
+                    # Proton's deadline has passed. What the broker sent while this thread
+                    # waited for a processor, or called events, is read before proton
+                    # judges it silent; and ``now``, taken before this look, leaves out
+                    # the wait for the lock below.
+                    ready = poller.poll(0)
+                if any(fd == wake for fd, _ in ready):
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(wake)
+                if _readable(ready, wake):
                     try:
                         data = sock.recv(_READ_SIZE)
                         reason = "" if data else "closed by the broker"
@@ -444,9 +453,12 @@ class AmqpTransport:
                             engine.received(data, time.monotonic())
                         else:
                             engine.input_closed(reason, time.monotonic())
-                        self._flush()  # before the tick: over TLS, else the opening stalls
+                        # Taken before the tick, as the loop always did: without it the
+                        # amqps opening stalled (test_amqps_verifies_the_broker_...).
+                        self._flush()
+                    now = time.monotonic()
                 with self._lock:
-                    deadline = engine.tick(time.monotonic())
+                    deadline = engine.tick(now)
                     self._flush()
                     ended = engine.ended
                 self._dispatch()
@@ -459,13 +471,6 @@ class AmqpTransport:
                 writable = outbox.pending and not outbox.writing
                 poller.modify(sock, select.POLLIN | select.POLLOUT if writable else select.POLLIN)
                 ready = poller.poll(None if wait is None else wait * 1000.0)
-                if any(fd == wake for fd, _ in ready):
-                    with contextlib.suppress(BlockingIOError):
-                        os.eventfd_read(wake)
-                if not ready:
-                    # Proton's deadline. The thread may have got a processor well past it,
-                    # while the broker's frames arrived: they are read first.
-                    ready = poller.poll(0)
         except Exception:  # a bug here must end the connection, not leave it hanging
             log.exception("amqp %s: the reader failed", self._broker_text())
             with self._lock:
@@ -513,3 +518,9 @@ class AmqpTransport:
 
     def _broker_text(self) -> str:
         return self._broker_redacted
+
+
+def _readable(ready: list[tuple[int, int]], wake: int) -> bool:
+    """Whether ``poll`` found the socket readable (or closed, or failed): anything but the
+    wake-up descriptor and room to write."""
+    return any(fd != wake and mask & ~select.POLLOUT for fd, mask in ready)
