@@ -79,6 +79,21 @@ def _check_ttl(instance: Message, attribute: attrs.Attribute[Any], value: float 
         raise ConfigurationError(f"time_to_live must be a positive number of seconds, not {value}")
 
 
+def plain_property(value: PropertyValue) -> PropertyValue:
+    """A property value as its base type, for the wire: a subclass of str, int or float (an
+    enum) travels as its value, on both protocols, never as its ``str()`` (which is
+    ``"Cls.MEMBER"`` for a ``(str, Enum)``)."""
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    return value
+
+
 def _to_properties(value: Mapping[str, PropertyValue]) -> dict[str, PropertyValue]:
     # A copy: the application may go on changing the mapping it passed in.
     return dict(value)

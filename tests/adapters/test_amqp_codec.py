@@ -34,6 +34,10 @@ class Colour(enum.StrEnum):
     RED = "red"
 
 
+class Shade(str, enum.Enum):  # noqa: UP042 - users write it; str() is "Shade.DARK", not "dark"
+    DARK = "dark"
+
+
 # Texts around the widths that change an encoding: a string or binary of 255 bytes has a
 # one-byte length, one of 256 a four-byte one; a list of up to 254 bytes of fields is a
 # list8.
@@ -49,7 +53,7 @@ _values: st.SearchStrategy[PropertyValue] = st.one_of(
     st.integers(min_value=-(2**63), max_value=2**63 - 1),
     st.sampled_from([-129, -128, 127, 128, 0, -1]),
     st.floats(),
-    st.sampled_from([Level.LOW, Level.HIGH, Colour.RED, float("inf"), -0.0]),
+    st.sampled_from([Level.LOW, Level.HIGH, Colour.RED, Shade.DARK, float("inf"), -0.0]),
     _addresses,  # a property may not hold NUL (Message refuses it)
 )
 _messages = st.builds(
@@ -158,6 +162,20 @@ def test_what_the_direct_encoding_does_not_take_goes_through_proton(
         through_proton(message, "q", reply_to=None, duplicate_detection=False)
     with pytest.raises(error):
         encode_message(message, "q", reply_to=None, duplicate_detection=False)
+
+
+def test_an_enum_property_travels_as_its_value_either_way() -> None:
+    """A str, int or float subclass (an enum) is sent as its value, not as its str(): by
+    the direct encoding and through proton alike."""
+    properties: dict[str, PropertyValue] = {"shade": Shade.DARK, "level": Level.HIGH}
+    message = Message("x", properties=properties, message_id="id")
+    for encoded in (
+        directly(message, "q", reply_to=None, duplicate_detection=False),
+        through_proton(message, "q", reply_to=None, duplicate_detection=False),
+    ):
+        received = decode_message(encoded).properties
+        assert received == {"shade": "dark", "level": 300}
+        assert type(received["shade"]) is str
 
 
 def test_a_ttl_beyond_32_bits_goes_through_proton() -> None:

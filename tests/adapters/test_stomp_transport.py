@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import socket
 import threading
 import time
@@ -175,6 +176,20 @@ def test_losing_the_broker_is_reported_once(tmp_path: Path) -> None:
         events.wait(lambda: events.lost, timeout=5)
         time.sleep(0.5)
         assert len(events.lost) == 1
+
+
+class _Shade(str, enum.Enum):  # noqa: UP042 - users write it; str() is "_Shade.DARK"
+    DARK = "dark"
+
+
+class _Level(enum.IntEnum):
+    HIGH = 300
+
+
+def test_an_enum_property_is_sent_as_its_value() -> None:
+    message = Message("x", properties={"shade": _Shade.DARK, "level": _Level.HIGH, "on": True})
+    headers = send_headers(message, duplicate_detection=False)
+    assert (headers["shade"], headers["level"], headers["on"]) == ("dark", "300", "true")
 
 
 def test_frames_escape_headers_and_always_carry_a_content_length() -> None:

@@ -15,7 +15,7 @@ import proton
 from proton import symbol
 
 from hafailover.destination import Destination, parse_destination
-from hafailover.message import Message, PropertyValue, stamps_duplicate_id
+from hafailover.message import Message, PropertyValue, plain_property, stamps_duplicate_id
 
 __all__ = ["DUPLICATE_ID", "decode_message", "encode_message"]
 
@@ -49,13 +49,7 @@ _TEMP_QUEUE_PREFIX: Final = "temp-queue://"
 
 def _property_out(value: PropertyValue) -> PropertyValue:
     # proton picks an encoder by exact type: str and int subclasses (enums) become plain ones.
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
-    return str(value)
+    return plain_property(value)
 
 
 def _encode(message: proton.Message, estimate: int) -> bytes:

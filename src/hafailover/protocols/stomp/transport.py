@@ -42,7 +42,7 @@ from hafailover.errors import (
     ProtocolError,
     SecurityError,
 )
-from hafailover.message import Message, PropertyValue, stamps_duplicate_id
+from hafailover.message import Message, PropertyValue, plain_property, stamps_duplicate_id
 from hafailover.protocols.base import Opened, TlsOptions, detects_duplicates, parse_topology
 from hafailover.protocols.outbox import Chunk, Outbox
 from hafailover.protocols.stomp.frame import encode_frame
@@ -223,10 +223,11 @@ def _no_delay(transport: Any) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _header_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+def _header_value(value: PropertyValue) -> str:
+    plain = plain_property(value)
+    if isinstance(plain, bool):
+        return "true" if plain else "false"
+    return str(plain)
 
 
 class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
