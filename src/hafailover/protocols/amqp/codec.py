@@ -244,16 +244,13 @@ def _id_text(value: object) -> str | None:
 
 
 def _property_in(value: object) -> PropertyValue | None:
+    # proton's own subclasses (symbol, char, ulong, timestamp, ...) become the plain types.
     if value is None:
         return None
-    if isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
     if isinstance(value, bytes | memoryview):
         return bytes(value).hex()
+    if isinstance(value, bool | int | float | str):
+        return plain_property(value)
     return str(value)
 
 
