@@ -31,7 +31,7 @@ from hafailover import AckMode, ErrorCode, FailoverReport, Message, UnblockedErr
 from reference_broker import BrokerPair
 from tests.otel.spans import Spans, instrumented
 
-from .support import url_for, wait_until
+from .support import STEADY_HEARTBEAT, url_for, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,10 +81,15 @@ def span_of(spans: list[ReadableSpan], report: FailoverReport) -> ReadableSpan:
     return matching[0]
 
 
+# The connections count their failovers exactly (one each, the kill's): with the suite's 250 ms
+# heart-beat a live broker that stalled for half a second on a loaded machine once made both
+# fail over early as well. The kill itself is noticed by the socket's reset.
+
+
 def test_each_message_is_traced_from_its_send_to_its_listener_through_a_sigkill(
     pair: BrokerPair, protocol: str, spans: Spans
 ) -> None:
-    url = url_for(pair, protocol, reconnect_attempts=-1)
+    url = url_for(pair, protocol, reconnect_attempts=-1, heartbeat=STEADY_HEARTBEAT)
     live_port = port_of(pair, protocol, live=True)
     backup_port = port_of(pair, protocol, live=False)
     processed: dict[int, tuple[Message, SpanContext]] = {}
@@ -177,11 +182,15 @@ def test_each_message_is_traced_from_its_send_to_its_listener_through_a_sigkill(
 def test_receive_spans_and_the_failover_figures_of_dirty_sessions_and_doubtful_sends(
     pair: BrokerPair, protocol: str, spans: Spans
 ) -> None:
-    url = url_for(pair, protocol, reconnect_attempts=-1)
+    url = url_for(pair, protocol, reconnect_attempts=-1, heartbeat=STEADY_HEARTBEAT)
     with (
         hafailover.connect(url) as connection,
-        hafailover.connect(url_for(pair, protocol, duplicate_detection="false")) as doubtful,
-        hafailover.connect(url_for(pair, protocol, reconnect_attempts=0)) as doomed,
+        hafailover.connect(
+            url_for(pair, protocol, duplicate_detection="false", heartbeat=STEADY_HEARTBEAT)
+        ) as doubtful,
+        hafailover.connect(
+            url_for(pair, protocol, reconnect_attempts=0, heartbeat=STEADY_HEARTBEAT)
+        ) as doomed,
     ):
         producer = connection.create_session(AckMode.AUTO).create_producer("queue://pulled")
         # A caller's context with a trace state (a ':' to escape in a STOMP header) and
