@@ -1232,7 +1232,10 @@ def test_ten_thousand_confirmed_sends_survive_a_sigkill_then_failback_and_again(
     tmp_path: Path,
 ) -> None:
     count = 10_000
-    with BrokerPair(tmp_path / "pair", heartbeat_timeout=1.0) as pair:
+    # The kills decide the takeovers here: a 3 s heart-beat timeout (a 4.5 s lease), not
+    # 1 s, which a loaded machine once starved the live past before any kill (a takeover
+    # the test's raw client saw as a broken pipe).
+    with BrokerPair(tmp_path / "pair", heartbeat_timeout=3.0) as pair:
         original = pair.live
         for cycle in range(2):
             live = pair.live

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from reference_broker.pair import BrokerPair
+from tests.broker import SHARED_NODE_LEASE
 
 ROOT = Path(__file__).resolve().parents[2]
 # A heart-beat of 1 s: the kills here are SIGKILLs on loopback, noticed at once by the reset;
@@ -66,8 +67,12 @@ def run_with_kill(pair: BrokerPair, name: str, args: list[str], kill_after: str)
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerPair]:
-    """One pair for the examples that do not kill anything."""
-    with BrokerPair(tmp_path_factory.mktemp("pair"), user="ex", password="ex") as pair:
+    """One pair for the examples that do not kill anything: its live holds the long lease
+    of the shared nodes (a loaded machine once starved the default one: the live fenced
+    itself, and an example's connect was refused)."""
+    with BrokerPair(
+        tmp_path_factory.mktemp("pair"), user="ex", password="ex", lease=SHARED_NODE_LEASE
+    ) as pair:
         yield pair
 
 
