@@ -31,9 +31,9 @@ A checkpoint is the exception, and is allowed for: the live writes its whole sta
 journal at once when the journal has grown enough (reference_broker/node.py), and holds it,
 encoded for the journal and for the backup, until the backup has it, so a checkpoint taken
 while the backup is paused raises the RSS by a few times the checkpoint's size (95.5 MiB
-for a 44.4 MB checkpoint, STOMP, in a full run; most runs take none). The checkpoints the
-live's log reports are added to the bounds, CHECKPOINT_HOLD times their size, to the
-pause they overlap and to the whole run's.
+for a 44.4 MB checkpoint, STOMP, in a full run; most runs take none). From the checkpoints
+the live's log reports, CHECKPOINT_HOLD times the largest one overlapping a pause is added
+to that pause's bound, and the largest overlapping the sampling to the whole run's.
 
 The clients' heart-beat is 1 s, not the integration tests' 250 ms: on a loaded two-core
 machine a client thread starved for half a second otherwise reads as a dead live.
@@ -179,7 +179,7 @@ def test_a_backup_paused_again_and_again_holds_confirmations_back_and_loses_noth
     degraded_seen = False
     try:
         wait_until(lambda: len(load.confirmed) >= 2 * PIPELINE, 30, "the load to run")
-        warm = rss(live.pid)
+        warm, sampled_from = rss(live.pid), time.time()
         for _ in range(PAUSES):
             before = sample()
             pair.pause(backup)
@@ -199,6 +199,7 @@ def test_a_backup_paused_again_and_again_holds_confirmations_back_and_loses_noth
                 samples.append(sample())
                 degraded_seen = degraded_seen or bool(live.status().get("degraded"))
                 time.sleep(0.05)
+        sampled_to = time.time()
         confirmed = len(load.confirmed)
         wait_until(lambda: len(load.confirmed) > confirmed + PIPELINE, 20, "load after pauses")
         degraded_seen = degraded_seen or bool(live.status().get("degraded"))
@@ -213,7 +214,15 @@ def test_a_backup_paused_again_and_again_holds_confirmations_back_and_loses_noth
     growth = max(samples) - warm
     stored = max(outcome.drained, *depths)  # the deepest the queue was seen, or the end
     taken = checkpoints(live.log_path)
-    held = CHECKPOINT_HOLD * max((size for _, _, size in taken), default=0)
+    # The largest checkpoint the samples may have seen (a second either side).
+    held = CHECKPOINT_HOLD * max(
+        (
+            size
+            for began, ended, size in taken
+            if began - 1 < sampled_to and ended + 1 > sampled_from
+        ),
+        default=0,
+    )
     bound = TOTAL_GROWTH + PER_STORED_MESSAGE * stored + held
     # A pause's own bound, with what a checkpoint overlapping it (a second either side) held.
     pause_bounds = [
