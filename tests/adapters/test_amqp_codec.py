@@ -14,12 +14,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hafailover.message import Message, PropertyValue, stamps_duplicate_id
+from hafailover.message import Message, PropertyValue, plain_property, stamps_duplicate_id
 from hafailover.protocols.amqp import codec
 from hafailover.protocols.amqp.codec import (
     DUPLICATE_ID,
     _encode_with_proton,
-    _property_out,
     decode_message,
     encode_message,
 )
@@ -92,7 +91,7 @@ def through_proton(
 ) -> bytes:
     """The reference: the same message set field by field on a proton.Message."""
     message_id = message.ensure_message_id()
-    properties = {str(k): _property_out(v) for k, v in message.properties.items()}
+    properties = {str(k): plain_property(v) for k, v in message.properties.items()}
     if stamps_duplicate_id(persistent=message.persistent, duplicate_detection=duplicate_detection):
         properties[DUPLICATE_ID] = message_id
     return _encode_with_proton(message, message_id, address, reply_to, properties)

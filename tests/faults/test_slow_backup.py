@@ -107,6 +107,14 @@ def checkpoints(log: Path) -> list[tuple[float, float, int]]:
     return found
 
 
+def largest_overlapping(taken: list[tuple[float, float, int]], start: float, end: float) -> int:
+    """The size of the largest checkpoint that overlapped ``start``-``end`` (wall clock), a
+    second either side, or 0."""
+    return max(
+        (size for began, ended, size in taken if began - 1 < end and ended + 1 > start), default=0
+    )
+
+
 def rss(pid: int) -> int:
     """Resident set size of a process, in bytes, from /proc."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -214,24 +222,11 @@ def test_a_backup_paused_again_and_again_holds_confirmations_back_and_loses_noth
     growth = max(samples) - warm
     stored = max(outcome.drained, *depths)  # the deepest the queue was seen, or the end
     taken = checkpoints(live.log_path)
-    # The largest checkpoint the samples may have seen (a second either side).
-    held = CHECKPOINT_HOLD * max(
-        (
-            size
-            for began, ended, size in taken
-            if began - 1 < sampled_to and ended + 1 > sampled_from
-        ),
-        default=0,
-    )
+    # The largest checkpoint the samples may have seen, and one overlapping each pause.
+    held = CHECKPOINT_HOLD * largest_overlapping(taken, sampled_from, sampled_to)
     bound = TOTAL_GROWTH + PER_STORED_MESSAGE * stored + held
-    # A pause's own bound, with what a checkpoint overlapping it (a second either side) held.
     pause_bounds = [
-        PAUSE_GROWTH
-        + CHECKPOINT_HOLD
-        * max(
-            (size for began, ended, size in taken if began - 1 < resumed and ended + 1 > stopped),
-            default=0,
-        )
+        PAUSE_GROWTH + CHECKPOINT_HOLD * largest_overlapping(taken, stopped, resumed)
         for stopped, resumed in paused_wall
     ]
     print(

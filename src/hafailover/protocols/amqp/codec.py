@@ -47,11 +47,6 @@ UNAUTHORIZED: Final = "amqp:unauthorized-access"
 _TEMP_QUEUE_PREFIX: Final = "temp-queue://"
 
 
-def _property_out(value: PropertyValue) -> PropertyValue:
-    # proton picks an encoder by exact type: str and int subclasses (enums) become plain ones.
-    return plain_property(value)
-
-
 def _encode(message: proton.Message, estimate: int) -> bytes:
     """proton.Message.encode(), starting from a size estimate: proton starts at 16 bytes and
     doubles, so a 1 KiB message took eight encodings. Falls back to encode() if proton's
@@ -86,8 +81,9 @@ def encode_message(
     bytes as their AMQP types), an integer beyond 64 bits, a string that is not UTF-8, a
     time to live of 2**32 ms or more, a body of 4 GiB or more."""
     message_id = message.ensure_message_id()
+    # proton picks an encoder by exact type: str and int subclasses (enums) become plain ones.
     properties: dict[str, PropertyValue] = {
-        str(k): _property_out(v) for k, v in message.properties.items()
+        str(k): plain_property(v) for k, v in message.properties.items()
     }
     if stamps_duplicate_id(persistent=message.persistent, duplicate_detection=duplicate_detection):
         properties[DUPLICATE_ID] = message_id  # Artemis reads this one

@@ -224,10 +224,9 @@ def _no_delay(transport: Any) -> None:
 
 
 def _header_value(value: PropertyValue) -> str:
-    plain = plain_property(value)
-    if isinstance(plain, bool):
-        return "true" if plain else "false"
-    return str(plain)
+    if isinstance(value, bool):  # bool has no subclasses
+        return "true" if value else "false"
+    return str(plain_property(value))
 
 
 class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
