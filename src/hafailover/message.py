@@ -83,8 +83,8 @@ def plain_property(value: PropertyValue) -> PropertyValue:
     """A property value as its base type, for the wire: a subclass of str, int or float (an
     enum) travels as its value, on both protocols, never as its ``str()`` (which is
     ``"Cls.MEMBER"`` for a ``(str, Enum)``)."""
-    if isinstance(value, bool):
-        return bool(value)
+    if type(value) in _PROPERTY_TYPES:  # the usual case, and every bool (bool has no subclasses)
+        return value
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):

@@ -453,7 +453,7 @@ class AmqpTransport:
                             engine.received(data, time.monotonic())
                         else:
                             engine.input_closed(reason, time.monotonic())
-                        # Taken before the tick, as the loop always did: without it the
+                        # Flushed before the tick, as the loop always did: without it the
                         # amqps opening stalled (test_amqps_verifies_the_broker_...).
                         self._flush()
                     now = time.monotonic()
